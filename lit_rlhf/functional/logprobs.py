@@ -1,0 +1,123 @@
+"""Token log-probabilities and entropies from logits, in float32 and without a full float32 copy.
+
+Memory: (B, T, V) logits of a real vocabulary are the largest tensor of a PPO step (64 x 512 x 152k in
+bf16 is 10 GB); ``log_softmax(logits.float())`` would add a float32 copy twice that size. Here
+log p(label) = z[label] - logsumexp(z) with z = logits / temperature is computed on slices of at most
+``_CHUNK_ELEMENTS`` logits, each upcast to float32 on its own. The slices are views (no copy of the
+input, even when ``logits`` is a non-contiguous slice such as ``logits[:, P - 1:-1]``). When gradients
+are needed, each slice runs under non-reentrant activation checkpointing, so autograd keeps only the
+input views and recomputes a slice's float32 copy during backward instead of storing all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lit_rlhf.functional._checks import as_float, check_number
+
+__all__ = ["entropy_from_logits", "logprobs_from_logits"]
+
+# Logits upcast to float32 at a time: 2**24 elements = 64 MiB of float32 per slice.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[label] per position.
+
+    The PPO module passes its sampling temperature so that rollout (old) and update (new) log-probs refer
+    to the distribution the tokens were sampled from.
+
+    Args:
+        logits: (B, T, V) any float dtype (bf16 is upcast per slice, see the module docstring).
+        labels: (B, T) integer token ids in [0, V), also at padded positions (e.g. the pad id).
+        temperature: > 0.
+
+    Returns:
+        (B, T) float32 (float64 kept) log-probabilities.
+    """
+    _check_logits("logprobs_from_logits", logits, temperature)
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"logprobs_from_logits: `labels` has shape {tuple(labels.shape)} but `logits` is "
+            f"{tuple(logits.shape)}; expected labels of shape {tuple(logits.shape[:-1])}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"logprobs_from_logits: `labels` must hold integer token ids, got {labels.dtype}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[-1]):
+        raise ValueError(
+            f"logprobs_from_logits: `labels` must lie in [0, {logits.shape[-1]}) (the vocabulary of `logits`), "
+            f"got values in [{int(labels.min())}, {int(labels.max())}]"
+        )
+
+    def label_logprob(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
+        z = _scaled(chunk, temperature)
+        picked = z.gather(-1, chunk_labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(z, dim=-1)
+
+    return _apply_chunked(label_logprob, logits, labels)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: logsumexp(z) - sum(softmax(z) * z).
+
+    Args:
+        logits: (B, T, V) any float dtype (upcast per slice, see the module docstring).
+        temperature: > 0.
+
+    Returns:
+        (B, T) float32 (float64 kept) entropies in nats.
+    """
+    _check_logits("entropy_from_logits", logits, temperature)
+
+    def entropy(chunk: torch.Tensor) -> torch.Tensor:
+        z = _scaled(chunk, temperature)
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+    return _apply_chunked(entropy, logits)
+
+
+def _check_logits(fn: str, logits: torch.Tensor, temperature: float) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"{fn}: `logits` must be (B, T, V), got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"{fn}: `logits` must be a float tensor, got {logits.dtype}")
+    check_number(fn, "temperature", temperature, low=0.0, low_inclusive=False)
+
+
+def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    # Upcast before dividing so the division itself happens in float32.
+    z = as_float(chunk)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _apply_chunked(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, *per_position: torch.Tensor
+) -> torch.Tensor:
+    """Apply a row-wise ``fn((..., V), *(...)) -> (...)`` over views of (B, T, V) logits; returns (B, T).
+
+    ``per_position`` are (B, T) tensors sliced alongside the logits (the labels).
+    """
+    batch, steps, vocab = logits.shape
+    if logits.numel() == 0:
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        return torch.zeros(batch, steps, dtype=out_dtype, device=logits.device)
+    use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
+
+    def run(index: tuple) -> torch.Tensor:
+        args = (logits[index], *(t[index] for t in per_position))
+        if use_checkpoint:
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    positions = max(1, _CHUNK_ELEMENTS // vocab)
+    if steps <= positions:
+        # Whole sequences fit: slice along the batch only.
+        rows = positions // steps
+        return torch.cat([run((slice(b, b + rows),)) for b in range(0, batch, rows)])
+    # Long sequences: slice each sequence along time.
+    return torch.stack(
+        [torch.cat([run((b, slice(t, t + positions))) for t in range(0, steps, positions)]) for b in range(batch)]
+    )

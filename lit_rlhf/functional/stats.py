@@ -1,0 +1,117 @@
+"""Masked statistics over (B, T) token tensors.
+
+Padding rule for every function here: results on real tokens never depend on the values stored at
+padded positions, even when those are NaN or inf (a logit row past the EOS can overflow). Values are
+therefore selected with ``torch.where`` and never multiplied by the mask, because ``nan * 0 = nan``
+and ``inf * 0 = nan``; ``where`` also gives an exact zero gradient to the padded positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_rlhf.functional._checks import as_float, check_same_shape
+
+__all__ = ["explained_variance", "masked_mean", "masked_var", "masked_whiten"]
+
+# Added to the variance before the square root so a constant input whitens to 0 instead of nan
+# (the constant used by TRL and OpenAI's lm-human-preferences).
+WHITEN_EPS = 1e-8
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of the real elements of ``x``: sum(x * mask) / sum(mask) over ``dim``.
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape as ``x``; 1/True for real elements, 0/False for padding.
+        dim: dimension to reduce; None reduces over all elements.
+
+    Returns:
+        float32 (float64 kept) tensor: a scalar when ``dim`` is None, else ``x`` with ``dim`` removed.
+        A reduction with no real element is 0/0 = nan (no error, so no host sync in the loss path).
+    """
+    check_same_shape("masked_mean", x=x, mask=mask)
+    mask = mask.bool()
+    x = as_float(x)
+    total = torch.where(mask, x, 0.0).sum() if dim is None else torch.where(mask, x, 0.0).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the real elements of ``x`` (all of them together).
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape as ``x``; 1/True for real elements.
+        unbiased: apply Bessel's correction n / (n - 1).
+
+    Returns:
+        float32 (float64 kept) scalar.
+
+    Raises:
+        ValueError: no real element, or only one with ``unbiased=True`` (the variance is undefined).
+    """
+    check_same_shape("masked_var", x=x, mask=mask)
+    mask = mask.bool()
+    n = int(mask.sum())
+    if n == 0 or (unbiased and n == 1):
+        raise ValueError(
+            f"masked_var: `mask` has {n} real element(s); the {'unbiased ' if unbiased else ''}variance needs "
+            f"at least {2 if unbiased else 1}"
+        )
+    x = as_float(x)
+    mean = masked_mean(x, mask)
+    centered = torch.where(mask, x - mean, 0.0)
+    var = centered.square().sum() / n
+    if unbiased:
+        var = var * (n / (n - 1))
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten the real elements of ``x``: (x - mean) / sqrt(var + 1e-8), statistics over real elements.
+
+    ``var`` is the unbiased masked variance. With ``shift_mean=False`` the mean is added back, so only the
+    scale changes (the TRL / OpenAI lm-human-preferences convention for whitening rewards).
+
+    Args:
+        x: any shape, e.g. (B, T) advantages.
+        mask: same shape; 1/True for real elements (at least two).
+        shift_mean: subtract the mean (True) or keep it (False).
+
+    Returns:
+        float32 (float64 kept) tensor shaped like ``x``, 0 at padded positions.
+    """
+    mask = mask.bool()
+    x = as_float(x)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0.0)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over real tokens (how much of the return the critic explains).
+
+    1 is a perfect critic, 0 is no better than predicting the mean, negative is worse. Both variances are
+    biased (the Bessel factor cancels in the ratio), so a single real token is allowed.
+
+    Args:
+        values: (B, T) critic predictions.
+        returns: (B, T) targets.
+        mask: (B, T) 1/True for real tokens (at least one).
+
+    Returns:
+        float32 (float64 kept) scalar; nan when Var(returns) is 0 (undefined, as in CleanRL).
+    """
+    check_same_shape("explained_variance", values=values, returns=returns, mask=mask)
+    mask = mask.bool()
+    returns = torch.where(mask, as_float(returns), 0.0)
+    residual = torch.where(mask, returns - as_float(values), 0.0)
+    var_returns = masked_var(returns, mask, unbiased=False)
+    var_residual = masked_var(residual, mask, unbiased=False)
+    return torch.where(var_returns > 0, 1.0 - var_residual / var_returns, torch.nan)

@@ -1,0 +1,88 @@
+"""Tokenizers: loading with the project's pad-token policy, and training a small byte-level BPE.
+
+Pad-token policy: a tokenizer without a pad token gets a *dedicated* one (``<|pad|>``) instead of
+reusing EOS. With pad = EOS an attention mask built from ``input_ids != pad_token_id`` hides every real
+EOS, so reward models would score the wrong token and responses would never be seen to end. The model
+builders in :mod:`lit_rlhf.models.loading` resize the embeddings to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+
+# A minimal role-tagged chat template for locally trained tokenizers (tests, demo).
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give ``tokenizer`` a dedicated pad token if it has none (never EOS; see module docstring)."""
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def load_tokenizer(
+    name_or_path: str, *, padding_side: str = "right", trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a hub id or local folder and apply the pad-token policy.
+
+    Args:
+        name_or_path: hub id or folder written by ``save_pretrained``.
+        padding_side: default padding side; collators pad explicitly, so this only matters to
+            callers that use ``tokenizer.pad`` themselves.
+        trust_remote_code: forwarded to ``AutoTokenizer.from_pretrained``.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise OSError(f"could not load a tokenizer from {name_or_path!r}: {err}") from err
+    tokenizer.padding_side = padding_side
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"tokenizer {name_or_path!r} has no eos_token: responses could never end; set one and save it"
+        )
+    return ensure_pad_token(tokenizer)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    *,
+    chat_template: str | None = None,
+    extra_special_tokens: tuple[str, ...] = (),
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (GPT-2 style) on ``texts`` with the ``tokenizers`` library.
+
+    The result has ``<|endoftext|>`` as EOS/BOS and a dedicated ``<|pad|>``; it round-trips through
+    ``save_pretrained`` / ``AutoTokenizer.from_pretrained``. Used by tests and the offline demo, where
+    nothing can be downloaded.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [EOS_TOKEN, PAD_TOKEN, *extra_special_tokens]
+    if chat_template is not None:
+        specials += ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
