@@ -1,0 +1,48 @@
+"""Shared plumbing of the SFT and reward-model modules: optimiser wiring, export, lean checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from lit_rlhf.modules.optim import resolve_total_steps
+
+
+def configure_optimizer_and_scheduler(
+    module: LightningModule,
+    params: list[torch.nn.Parameter],
+    optimizer: OptimizerCallable,
+    scheduler: LRSchedulerCallable | None,
+    total_steps: int | float,
+) -> dict[str, Any]:
+    """Build an optimiser (and an optional per-step scheduler) in Lightning's dict form."""
+    if not params:
+        raise ValueError(f"{type(module).__name__} has no trainable parameters")
+    opt = optimizer(params)
+    if scheduler is None:
+        return {"optimizer": opt}
+    sched = scheduler(opt)
+    resolve_total_steps(sched, total_steps)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def trainable_state_dict_keys(model: torch.nn.Module, prefix: str) -> set[str]:
+    """Checkpoint keys of ``model`` worth saving: trainable parameters and buffers.
+
+    Frozen base weights of a LoRA model are reloaded from the model spec on resume, so saving them in
+    every checkpoint only costs disk and time.
+    """
+    keys = {f"{prefix}{name}" for name, p in model.named_parameters() if p.requires_grad}
+    keys |= {f"{prefix}{name}" for name, _ in model.named_buffers()}
+    return keys
+
+
+def drop_frozen_weights(checkpoint: dict[str, Any], model: torch.nn.Module, prefix: str) -> None:
+    """Remove frozen parameters of ``model`` (state-dict keys under ``prefix``) from a checkpoint."""
+    keep = trainable_state_dict_keys(model, prefix)
+    state = checkpoint["state_dict"]
+    for key in [k for k in state if k.startswith(prefix) and k not in keep]:
+        del state[key]

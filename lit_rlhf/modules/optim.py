@@ -1,0 +1,69 @@
+"""Default optimiser and learning-rate schedule, injectable from YAML the LightningCLI way.
+
+Modules take ``optimizer: OptimizerCallable`` and ``scheduler: LRSchedulerCallable`` arguments; in YAML
+either is a ``class_path`` + ``init_args`` (e.g. ``torch.optim.AdamW`` with ``lr``). The default schedule
+is :class:`WarmupCosineLR`, which learns its length from the trainer when left at ``total_steps=-1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+
+class WarmupCosineLR(LRScheduler):
+    """Linear warm-up from 0, then cosine decay to ``min_lr_ratio`` x the base learning rate.
+
+    Args:
+        optimizer: the wrapped optimiser.
+        warmup_steps: optimiser steps of linear warm-up.
+        total_steps: steps of the whole schedule; -1 lets the module set it from
+            ``trainer.estimated_stepping_batches`` (see :func:`resolve_total_steps`).
+        min_lr_ratio: final learning rate as a fraction of the base one (1.0 = constant after warm-up).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int = 0,
+        total_steps: int = -1,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        super().__init__(optimizer)
+
+    def lr_factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        if self.total_steps <= self.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+
+    def get_lr(self) -> list[float]:
+        factor = self.lr_factor(self.last_epoch)
+        return [base_lr * factor for base_lr in self.base_lrs]
+
+
+def resolve_total_steps(scheduler: object, total_steps: int | float) -> None:
+    """Fill in ``total_steps`` of a :class:`WarmupCosineLR` left at -1 (other schedulers are untouched)."""
+    if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps < 0:
+        if not math.isfinite(total_steps):
+            raise ValueError(
+                "WarmupCosineLR(total_steps=-1) needs a finite run: set trainer.max_steps or max_epochs, "
+                "or give the scheduler total_steps explicitly"
+            )
+        scheduler.total_steps = int(total_steps)
+        # re-apply the current step's factor now that the schedule's length is known
+        scheduler._last_lr = scheduler.get_lr()
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+            group["lr"] = lr

@@ -1,0 +1,146 @@
+"""Reward-model training on preference pairs with the pairwise Bradley-Terry loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lit_rlhf.functional import pairwise_reward_loss
+from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, load_tokenizer, sequence_scores
+from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
+from lit_rlhf.modules.optim import WarmupCosineLR
+
+
+class PairMetrics(torch.nn.Module):
+    """Accuracy, margin and score statistics of (chosen, rejected) pairs, as torchmetrics (rank-synced)."""
+
+    NAMES = ("accuracy", "margin", "chosen_mean", "chosen_sq", "rejected_mean", "rejected_sq")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.NAMES})
+
+    def update(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        values = {
+            "accuracy": (chosen > rejected).float(),
+            "margin": chosen - rejected,
+            "chosen_mean": chosen,
+            "chosen_sq": chosen**2,
+            "rejected_mean": rejected,
+            "rejected_sq": rejected**2,
+        }
+        for name, value in values.items():
+            self.metrics[name].update(value.detach().float())
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        m = {name: metric.compute() for name, metric in self.metrics.items()}
+        return {
+            "accuracy": m["accuracy"],
+            "margin": m["margin"],
+            "chosen_score_mean": m["chosen_mean"],
+            "chosen_score_std": (m["chosen_sq"] - m["chosen_mean"] ** 2).clamp(min=0).sqrt(),
+            "rejected_score_mean": m["rejected_mean"],
+            "rejected_score_std": (m["rejected_sq"] - m["rejected_mean"] ** 2).clamp(min=0).sqrt(),
+        }
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+
+class RewardModelModule(LightningModule):
+    """Bradley-Terry reward model (InstructGPT, Ouyang et al. 2022, eq. 1) scored at the last real token.
+
+    Batches come from :class:`~lit_rlhf.data.PreferenceDataModule`: ``input_ids``/``attention_mask`` of
+    shape (2B, L) with the B chosen rows first, then the B rejected rows, so a pair is scored in one
+    forward; an optional ``margin`` (B,) is subtracted inside the sigmoid (Llama 2, Touvron et al. 2023).
+
+    Args:
+        model: the reward model: a causal-LM backbone (e.g. the SFT export) gets a fresh scalar head,
+            a sequence-classification checkpoint keeps its head.
+        optimizer: optimiser factory, e.g. ``torch.optim.AdamW`` with ``lr`` in YAML.
+        scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
+        center_rewards_coef: weight of the centring regulariser coef * mean((r_chosen + r_rejected)^2)
+            that keeps scores near zero mean (Eisenstein et al. 2023); 0 disables it.
+        use_margin: subtract the batch's ``margin`` column when the data has one.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = WarmupCosineLR,
+        center_rewards_coef: float = 0.0,
+        use_margin: bool = True,
+    ) -> None:
+        super().__init__()
+        if center_rewards_coef < 0:
+            raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.spec = model
+        self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
+        self.model = build_score_model(model, self.tokenizer)
+        self.train_metrics, self.val_metrics = PairMetrics(), PairMetrics()
+        self.strict_loading = model.lora is None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(N, L) token ids and mask -> (N,) float32 scores read at each row's last real token."""
+        return sequence_scores(self.model, input_ids, attention_mask)
+
+    def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
+        scores = self(batch["input_ids"], batch["attention_mask"])
+        chosen, rejected = scores.chunk(2)
+        margin = batch.get("margin") if self.hparams.use_margin else None
+        loss, _ = pairwise_reward_loss(chosen, rejected, margin)
+        if self.hparams.center_rewards_coef > 0:
+            loss = loss + self.hparams.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+        metrics.update(chosen, rejected)
+        return loss
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._step(batch, self.train_metrics)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        self._log_pair_metrics("train", self.train_metrics)
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = self._step(batch, self.val_metrics)
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0] // 2)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_pair_metrics("val", self.val_metrics)
+
+    def _log_pair_metrics(self, stage: str, metrics: PairMetrics) -> None:
+        values = metrics.compute()
+        self.log(f"{stage}/accuracy", values.pop("accuracy"), prog_bar=True)
+        self.log_dict({f"{stage}/{k}": v for k, v in values.items()})
+        metrics.reset()
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return configure_optimizer_and_scheduler(
+            self, params, self.optimizer, self.scheduler, self.trainer.estimated_stepping_batches
+        )
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.spec.lora is not None:
+            drop_frozen_weights(checkpoint, self.model, "model.")
+
+    def export_pretrained(self, folder: str) -> None:
+        """Write the reward model for ``AutoModelForSequenceClassification.from_pretrained``."""
+        export_pretrained(self.model, self.tokenizer, folder)

@@ -1,0 +1,142 @@
+"""Supervised fine-tuning of a causal LM with the loss on response tokens only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lit_rlhf.functional import logprobs_from_logits, masked_mean
+from lit_rlhf.models import (
+    ModelSpec,
+    build_causal_lm,
+    causal_lm_logits,
+    export_pretrained,
+    load_tokenizer,
+)
+from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
+from lit_rlhf.modules.optim import WarmupCosineLR
+from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
+
+
+class SFTModule(LightningModule):
+    """Causal-LM fine-tuning on (prompt, response) batches from :class:`~lit_rlhf.data.SFTDataModule`.
+
+    Args:
+        model: the policy to fine-tune (hub id / local folder, or an inline config for random init).
+        optimizer: optimiser factory, e.g. ``torch.optim.AdamW`` with ``lr`` in YAML.
+        scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
+        num_samples: validation prompts whose greedy completions are logged as text (0 disables).
+        sample_max_new_tokens: length limit of those sample completions.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = WarmupCosineLR,
+        num_samples: int = 4,
+        sample_max_new_tokens: int = 48,
+    ) -> None:
+        super().__init__()
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.spec = model
+        self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
+        self.model = build_causal_lm(model, self.tokenizer)
+        # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
+        self.train_nll, self.val_nll = MeanMetric(), MeanMetric()
+        self.train_acc, self.val_acc = MeanMetric(), MeanMetric()
+        self._sample_prompts: list[torch.Tensor] = []
+        # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
+        self.strict_loading = model.lora is None
+
+    def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
+        # Token t is predicted from position t-1 (shift by one).
+        labels = batch["input_ids"][:, 1:]
+        mask = batch["response_mask"][:, 1:].bool()
+        logprobs = logprobs_from_logits(logits[:, :-1], labels)
+        loss = -masked_mean(logprobs, mask)
+        correct = (logits[:, :-1].argmax(-1) == labels).float()
+        return loss, masked_mean(correct, mask), mask.sum()
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, acc, n_tokens = self._step(batch)
+        self.train_nll.update(loss.detach(), n_tokens)
+        self.train_acc.update(acc, n_tokens)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/token_accuracy", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        self.log("train/perplexity", torch.exp(self.train_nll.compute()))
+        self.train_nll.reset()
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, acc, n_tokens = self._step(batch)
+        self.val_nll.update(loss, n_tokens)
+        self.val_acc.update(acc, n_tokens)
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log("val/token_accuracy", self.val_acc, on_step=False, on_epoch=True)
+        if batch_idx == 0 and self.hparams.num_samples:
+            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/perplexity", torch.exp(self.val_nll.compute()))
+        self.val_nll.reset()
+        if self._sample_prompts and not self.trainer.sanity_checking:
+            texts = self.generate_text(self._sample_prompts, self.hparams.sample_max_new_tokens)
+            log_text_table(self, "val/samples", ["prompt", "completion"], texts)
+
+    @torch.no_grad()
+    def generate_text(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[tuple[str, str]]:
+        """Greedy completions of token-id prompts, as (prompt, completion) strings."""
+        rows = []
+        was_training = self.model.training
+        self.model.eval()
+        for prompt in prompts:
+            ids = prompt.unsqueeze(0).to(self.device)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+            )
+            rows.append(
+                (
+                    self.tokenizer.decode(prompt, skip_special_tokens=True),
+                    self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
+                )
+            )
+        self.model.train(was_training)
+        return rows
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return configure_optimizer_and_scheduler(
+            self, params, self.optimizer, self.scheduler, self.trainer.estimated_stepping_batches
+        )
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.spec.lora is not None:
+            drop_frozen_weights(checkpoint, self.model, "model.")
+
+    def export_pretrained(self, folder: str) -> None:
+        """Write the policy (LoRA merged) and tokenizer for ``AutoModelForCausalLM.from_pretrained``."""
+        export_pretrained(self.model, self.tokenizer, folder)

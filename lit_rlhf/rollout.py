@@ -1,0 +1,201 @@
+"""The experience of one PPO rollout, the replay buffer over it, and response generation.
+
+Shapes: B rollout rows, P prompt length (left-padded), T response length (right-padded).
+Field names are those of the PPO batch in seeds/002.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+@dataclass
+class GenerationSettings:
+    """Sampling settings of the rollout (Hugging Face ``generate``, KV cache on).
+
+    Attributes:
+        max_new_tokens: response length limit T; a response that reaches it without a stop token is
+            "truncated" (see ``missing_eos_penalty`` of the PPO module).
+        temperature: softmax temperature of sampling; the PPO update divides logits by the same value so
+            ``old_logprobs`` and the new log-probs describe the same distribution.
+        top_k: keep only the k most likely tokens (0 = off).
+        top_p: nucleus sampling mass (1.0 = off).
+        stop_token_ids: extra token ids that end a response besides the tokenizer's EOS.
+        stop_strings: strings that end a response (matched on decoded text by ``generate``).
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+
+
+def response_mask_from_tokens(
+    responses: torch.Tensor, stop_token_ids: list[int], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of real response tokens: up to and including the first stop token, never padding.
+
+    Args:
+        responses: (B, T) generated token ids (``generate`` pads finished rows with ``pad_token_id``).
+        stop_token_ids: ids that end a response (EOS and configured stops).
+        pad_token_id: the tokenizer's dedicated pad id (it is suppressed during sampling).
+
+    Returns:
+        response_mask: (B, T) bool, 1 = real token.
+        has_stop: (B,) bool, True where the response contains a stop token.
+    """
+    is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))
+    stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()
+    response_mask = (stops_before == 0) & (responses != pad_token_id)
+    return response_mask, is_stop.any(dim=1)
+
+
+@torch.no_grad()
+def generate_responses(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: GenerationSettings,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    tokenizer: object | None = None,
+    synced_gpus: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one response per left-padded prompt.
+
+    Args:
+        model: causal LM (or peft model) with ``generate``.
+        input_ids: (B, P) left-padded prompts; attention_mask: (B, P).
+        settings: sampling settings.
+        eos_token_id, pad_token_id: the tokenizer's ids; pad is never sampled.
+        tokenizer: needed by ``generate`` only when ``settings.stop_strings`` is set.
+        synced_gpus: keep every rank generating until all are done (sharded models hang otherwise).
+
+    Returns:
+        responses: (B, T) token ids, T <= max_new_tokens, padding after the stop;
+        response_mask: (B, T) bool; truncated: (B,) bool, no stop within the length limit.
+    """
+    stop_ids = [eos_token_id, *settings.stop_token_ids]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_k=settings.top_k or None,
+        top_p=settings.top_p,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        suppress_tokens=[pad_token_id],
+        stop_strings=settings.stop_strings or None,
+        tokenizer=tokenizer if settings.stop_strings else None,
+        use_cache=True,
+        synced_gpus=synced_gpus,
+    )
+    responses = out[:, input_ids.shape[1] :]
+    response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
+    lengths = response_mask.sum(dim=1)
+    # A row without a stop id that ended early was stopped by a stop string.
+    truncated = ~has_stop & (lengths >= settings.max_new_tokens)
+    return responses, response_mask, truncated
+
+
+@dataclass
+class Rollout:
+    """One rollout's experience (seeds/002's PPO batch), detached, on one device.
+
+    Attributes:
+        input_ids: (B, P+T) prompt (left-padded) followed by the response (right-padded).
+        attention_mask: (B, P+T) 1 on real prompt and response tokens.
+        response_mask: (B, T) 1 on real response tokens (up to and including the stop token).
+        old_logprobs: (B, T) float32 log pi_old(a_t | s_t) of the rollout policy (used by the ratio).
+        ref_logprobs: (B, T) float32 log pi_ref(a_t | s_t) (used only by the KL penalty).
+        old_values: (B, T) float32 critic values V(s_t) at rollout time.
+        rewards: (B, T) float32 KL-shaped per-token rewards (score at the last real token).
+        advantages: (B, T) float32 GAE advantages (whitened when configured).
+        returns: (B, T) float32 GAE returns = advantages (before whitening) + old_values.
+        scores: (B,) float32 sequence-level reward-model / reward-function scores.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_length(self) -> int:
+        """P: the response starts at this column of ``input_ids``."""
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        """The rows ``index`` of every field."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+class ReplayBuffer:
+    """Holds the current rollout and yields seeded, shuffled minibatches for the inner PPO epochs.
+
+    Its generator state is part of the PPO checkpoint, so a resumed run draws the same minibatches.
+
+    Args:
+        num_minibatches: minibatches per PPO epoch; the rollout's rows are split evenly among them.
+        seed: seed of the shuffling generator.
+    """
+
+    def __init__(self, num_minibatches: int, seed: int = 0) -> None:
+        if num_minibatches < 1:
+            raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
+        self.num_minibatches = num_minibatches
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rollout: Rollout | None = None
+
+    def put(self, rollout: Rollout) -> None:
+        if rollout.batch_size < self.num_minibatches:
+            raise ValueError(
+                f"a rollout of {rollout.batch_size} rows cannot be split into "
+                f"num_minibatches={self.num_minibatches}; raise the prompt batch size or lower num_minibatches"
+            )
+        self.rollout = rollout
+
+    def minibatches(self) -> Iterator[Rollout]:
+        """One PPO epoch: a fresh permutation of the rows cut into ``num_minibatches`` parts."""
+        if self.rollout is None:
+            raise RuntimeError("ReplayBuffer is empty: put() a rollout first")
+        order = torch.randperm(self.rollout.batch_size, generator=self.generator)
+        for index in order.tensor_split(self.num_minibatches):
+            yield self.rollout.select(index.to(self.rollout.input_ids.device))
+
+    def clear(self) -> None:
+        self.rollout = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
