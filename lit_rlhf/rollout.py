@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from lit_rlhf.models import position_ids_from_mask
+
 
 @dataclass
 class GenerationSettings:
@@ -65,6 +67,40 @@ def response_mask_from_tokens(
     return response_mask, is_stop.any(dim=1)
 
 
+def generation_kwargs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: GenerationSettings,
+    stop_ids: list[int],
+    pad_token_id: int,
+    tokenizer: object | None = None,
+    synced_gpus: bool = False,
+) -> dict:
+    """Keyword arguments of ``model.generate`` for one rollout (see :func:`generate_responses`).
+
+    Position ids are given explicitly, computed from the mask as the scoring forwards do: some models
+    (GPT-2) otherwise generate left-padded rows at shifted positions, so the sampling distribution
+    would differ from the one ``old_logprobs`` are computed under.
+    """
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        do_sample=True,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_k=settings.top_k or None,
+        top_p=settings.top_p,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        suppress_tokens=[pad_token_id],
+        stop_strings=settings.stop_strings or None,
+        tokenizer=tokenizer if settings.stop_strings else None,
+        use_cache=True,
+        synced_gpus=synced_gpus,
+    )
+
+
 @torch.no_grad()
 def generate_responses(
     model: torch.nn.Module,
@@ -93,20 +129,9 @@ def generate_responses(
     """
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        do_sample=True,
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k or None,
-        top_p=settings.top_p,
-        eos_token_id=stop_ids,
-        pad_token_id=pad_token_id,
-        suppress_tokens=[pad_token_id],
-        stop_strings=settings.stop_strings or None,
-        tokenizer=tokenizer if settings.stop_strings else None,
-        use_cache=True,
-        synced_gpus=synced_gpus,
+        **generation_kwargs(
+            input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus
+        )
     )
     responses = out[:, input_ids.shape[1] :]
     response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)

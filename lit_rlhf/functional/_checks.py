@@ -37,7 +37,9 @@ def check_2d(fn: str, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{fn}: `{name}` must be 2-D (B, T), got shape {tuple(t.shape)}")
 
 
-def check_number(fn: str, name: str, value: float, *, low: float, low_inclusive: bool, high: float | None = None) -> None:
+def check_number(
+    fn: str, name: str, value: float, *, low: float, low_inclusive: bool, high: float | None = None
+) -> None:
     """Raise ValueError unless ``low (<|<=) value (<= high)``."""
     ok_low = value >= low if low_inclusive else value > low
     ok_high = high is None or value <= high

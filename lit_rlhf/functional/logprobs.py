@@ -24,7 +24,9 @@ __all__ = ["entropy_from_logits", "logprobs_from_logits"]
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature)[label] per position.
 
     The PPO module passes its sampling temperature so that rollout (old) and update (new) log-probs refer
@@ -46,11 +48,13 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         )
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"logprobs_from_logits: `labels` must hold integer token ids, got {labels.dtype}")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[-1]):
-        raise ValueError(
-            f"logprobs_from_logits: `labels` must lie in [0, {logits.shape[-1]}) (the vocabulary of `logits`), "
-            f"got values in [{int(labels.min())}, {int(labels.max())}]"
-        )
+    if labels.numel():
+        low, high = torch.stack(torch.aminmax(labels)).tolist()  # one host sync for both bounds
+        if low < 0 or high >= logits.shape[-1]:
+            raise ValueError(
+                f"logprobs_from_logits: `labels` must lie in [0, {logits.shape[-1]}) (the vocabulary of "
+                f"`logits`), got values in [{low}, {high}]"
+            )
 
     def label_logprob(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
         z = _scaled(chunk, temperature)
@@ -119,5 +123,8 @@ def _apply_chunked(
         return torch.cat([run((slice(b, b + rows),)) for b in range(0, batch, rows)])
     # Long sequences: slice each sequence along time.
     return torch.stack(
-        [torch.cat([run((b, slice(t, t + positions))) for t in range(0, steps, positions)]) for b in range(batch)]
+        [
+            torch.cat([run((b, slice(t, t + positions))) for t in range(0, steps, positions)])
+            for b in range(batch)
+        ]
     )

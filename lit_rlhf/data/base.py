@@ -1,0 +1,211 @@
+"""What the data modules share: load, validate and tokenise every row, carve val, length limits, loaders.
+
+``setup`` reads every row of every source once through ``Dataset.map`` (cached by ``datasets`` for
+file-backed data), so a malformed row stops the run with a :class:`DataFormatError` before training.
+Rows over the length limits are truncated or dropped (``length_policy``); the counts are logged and kept
+in ``stats``. The training loader uses :class:`ResumableSampler`; its position is part of the module's
+``state_dict``, which Lightning saves in checkpoints, so a resumed fit continues with the next batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from datasets import Dataset
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+from typing_extensions import override
+
+from lit_rlhf.data.formats import DataFormatError, RowRef, Text
+from lit_rlhf.data.render import clip_lengths, render, tokenize_rendered
+from lit_rlhf.data.sampler import ResumableSampler
+from lit_rlhf.data.sources import carve_validation, load_source
+from lit_rlhf.models.tokenizer import load_tokenizer
+
+LengthPolicy = Literal["truncate", "drop"]
+# parse(row, fmt, ref) -> (prompt, responses in slot order, extra scalar columns such as margin)
+RowParser = Callable[[dict, str, RowRef], tuple[Text, tuple[Text, ...], dict[str, float]]]
+
+
+def encode_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    parse: RowParser,
+    fmt: str,
+    source: str,
+    slots: tuple[str, ...],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    max_length: int | None,
+) -> dict[str, list]:
+    """Batched ``Dataset.map`` function: validate, render, tokenise and clip rows.
+
+    Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns, and
+    ``over_length`` (whether the limits cut the row; the length policy reads it).
+    """
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    parsed = [parse(row, fmt, RowRef(source, i)) for row, i in zip(rows, indices)]
+    prompts, responses = tokenize_rendered(tokenizer, [render(tokenizer, p, r) for p, r, _ in parsed])
+    out: dict[str, list] = {
+        "prompt_input_ids": [],
+        "over_length": [],
+        **{f"{s}_input_ids": [] for s in slots},
+    }
+    for (_, _, extras), prompt, row_responses in zip(parsed, prompts, responses):
+        prompt, row_responses, over = clip_lengths(prompt, row_responses, max_prompt_length, max_length)
+        out["prompt_input_ids"].append(prompt)
+        out["over_length"].append(over)
+        for slot, ids in zip(slots, row_responses):
+            out[f"{slot}_input_ids"].append(ids)
+        for name, value in extras.items():
+            out.setdefault(name, []).append(value)
+    return out
+
+
+def _not_over_length(flags: list[bool]) -> list[bool]:
+    return [not f for f in flags]
+
+
+class RLHFDataModule(LightningDataModule):
+    """Base class; subclasses define ``__init__`` (calling ``save_hyperparameters`` then ``_build``),
+    ``slots``, ``collator_class``, ``parse`` and ``detect_format``."""
+
+    slots: ClassVar[tuple[str, ...]]
+    collator_class: ClassVar[type]
+    parse: ClassVar[RowParser]
+
+    def detect_format(self, columns: list[str], source: str) -> str:
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        """Check the hyperparameters (fail at construction, not mid-run) and load the tokenizer."""
+        hp = self.hparams
+        max_length = hp.get("max_length")
+        checks = [
+            ("val_fraction", 0 <= hp.val_fraction < 1, "in [0, 1)"),
+            ("max_prompt_length", hp.max_prompt_length >= 1, ">= 1"),
+            ("max_length", max_length is None or max_length > hp.max_prompt_length, "> max_prompt_length"),
+            ("length_policy", hp.length_policy in ("truncate", "drop"), "'truncate' or 'drop'"),
+            ("batch_size", hp.batch_size >= 1, ">= 1"),
+            ("val_batch_size", hp.val_batch_size is None or hp.val_batch_size >= 1, "None or >= 1"),
+            ("num_workers", hp.num_workers >= 0, ">= 0"),
+        ]
+        for name, ok, requirement in checks:
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: {name} must be {requirement}, got {hp[name]!r}")
+        self.tokenizer = load_tokenizer(hp.tokenizer)
+        self.collator = self.collator_class(self.tokenizer.pad_token_id)
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.train_sampler: ResumableSampler | None = None
+        # per split: rows (before the length policy), truncated, dropped
+        self.stats: dict[str, dict[str, int]] = {}
+        self._resume = {"epoch": 0, "consumed": 0}
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        hp = self.hparams
+        train = self._encode(hp.train_path, hp.split)
+        val, val_source = None, hp.val_path or hp.train_path
+        if hp.val_path is not None:
+            val = self._encode(hp.val_path, hp.val_split or hp.split)
+        elif hp.val_fraction > 0:
+            train, val = carve_validation(train, hp.val_fraction, hp.seed, hp.train_path)
+        self.train_dataset = self._apply_length_policy(train, "train", hp.train_path)
+        self.val_dataset = None if val is None else self._apply_length_policy(val, "val", val_source)
+
+    def _encode(self, path: str, split: str) -> Dataset:
+        dataset = load_source(path, split, self.hparams.cache_dir)
+        fn_kwargs = dict(
+            parse=type(self).parse,
+            fmt=self.detect_format(dataset.column_names, path),
+            source=path,
+            slots=self.slots,
+            tokenizer=self.tokenizer,
+            max_prompt_length=self.hparams.max_prompt_length,
+            max_length=self.hparams.get("max_length"),
+        )
+        return dataset.map(
+            encode_batch,
+            batched=True,
+            with_indices=True,
+            remove_columns=dataset.column_names,
+            fn_kwargs=fn_kwargs,
+            desc=f"Validating and tokenizing {path}",
+        )
+
+    def _apply_length_policy(self, dataset: Dataset, split: str, source: str) -> Dataset:
+        hp = self.hparams
+        rows, over = len(dataset), sum(dataset["over_length"])
+        if hp.length_policy == "drop" and over:
+            dataset = dataset.filter(_not_over_length, input_columns="over_length", batched=True)
+        dataset = dataset.remove_columns("over_length")
+        truncated, dropped = (over, 0) if hp.length_policy == "truncate" else (0, over)
+        self.stats[split] = {"rows": rows, "truncated": truncated, "dropped": dropped}
+        limits = f"max_prompt_length={hp.max_prompt_length}, max_length={hp.get('max_length')}"
+        rank_zero_info(
+            f"{type(self).__name__} {split} data ({source}): {rows} rows; over the length limits ({limits}):"
+            f" {truncated} truncated, {dropped} dropped"
+        )
+        if len(dataset) == 0:
+            raise DataFormatError(
+                source, f"all {rows} rows of the {split} split exceed the length limits ({limits})"
+            )
+        return dataset
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before train_dataloader()")
+        self.train_sampler = ResumableSampler(self.train_dataset, shuffle=True, seed=self.hparams.seed)
+        self.train_sampler.set_epoch(self._resume["epoch"])
+        self.train_sampler.set_consumed(self._resume["consumed"])
+        return self._loader(
+            self.train_dataset, self.hparams.batch_size, self.train_sampler, self._drop_last()
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []  # Lightning skips validation on an empty list
+        hp = self.hparams
+        return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
+
+    def _drop_last(self) -> bool:
+        return bool(self.hparams.get("drop_last", False))
+
+    def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, drop_last: bool) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=self.collator,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            drop_last=drop_last,
+        )
+
+    @override
+    def state_dict(self) -> dict[str, int]:
+        """Training-sampler position at checkpoint time: epoch and samples consumed by all ranks together."""
+        if self.trainer is None or self.train_sampler is None:
+            return {}
+        fit_loop = self.trainer.fit_loop
+        batches = fit_loop.epoch_loop.batch_progress.current.processed
+        consumed = batches * self.hparams.batch_size * self.train_sampler.num_replicas
+        return {"epoch": fit_loop.epoch_progress.current.processed, "consumed": consumed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume the training order where :meth:`state_dict` left it (applied by ``train_dataloader``)."""
+        self._resume = {
+            "epoch": int(state_dict.get("epoch", 0)),
+            "consumed": int(state_dict.get("consumed", 0)),
+        }

@@ -1,0 +1,90 @@
+"""Collators: lists of token-id rows -> padded tensors. Masks are 1 on real tokens.
+
+Rows come from the data modules with ``prompt_input_ids`` and, per response slot, ``<slot>_input_ids``
+(responses already end with EOS unless truncated). Prompts are left-padded for generation, training
+sequences (prompt + response) right-padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100  # label value skipped by torch/transformers cross-entropy
+
+
+def pad(rows: Sequence[Sequence[int]], value: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:
+    """Pad ragged rows to their longest length: (B,) lists -> values (B, L) long, mask (B, L) long."""
+    length = max(len(r) for r in rows)
+    values = torch.full((len(rows), length), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(length - len(row), length) if side == "left" else slice(0, len(row))
+        values[i, span] = torch.tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return values, mask
+
+
+@dataclass
+class PromptCollator:
+    """Prompts for generation: ``{"input_ids": (B, P), "attention_mask": (B, P)}``, LEFT-padded."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        input_ids, attention_mask = pad([r["prompt_input_ids"] for r in rows], self.pad_token_id, "left")
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@dataclass
+class PreferenceCollator:
+    """Preference pairs as one concatenated batch for a single forward pass.
+
+    Returns ``input_ids``, ``attention_mask``, ``response_mask``: (2B, L), RIGHT-padded to a common L;
+    rows 0..B-1 are prompt + chosen, rows B..2B-1 prompt + rejected of the same pairs; plus ``margin``
+    (B,) float32 when the rows have one.
+    """
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        sequences, response_masks = [], []
+        for slot in ("chosen", "rejected"):
+            for r in rows:
+                prompt, response = r["prompt_input_ids"], r[f"{slot}_input_ids"]
+                sequences.append(prompt + response)
+                response_masks.append([0] * len(prompt) + [1] * len(response))
+        input_ids, attention_mask = pad(sequences, self.pad_token_id, "right")
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch["response_mask"] = pad(response_masks, 0, "right")[0]
+        if "margin" in rows[0]:
+            batch["margin"] = torch.tensor([r["margin"] for r in rows], dtype=torch.float32)
+        return batch
+
+
+@dataclass
+class SFTCollator:
+    """Prompt + completion, RIGHT-padded: ``input_ids``, ``attention_mask``, ``labels``, ``response_mask`` (B, L).
+
+    ``labels`` equal ``input_ids`` on completion tokens and are -100 on prompt and padding (the loss is on
+    the response only); the causal-LM shift is left to the model, as in transformers.
+    """
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        sequences = [r["prompt_input_ids"] + r["completion_input_ids"] for r in rows]
+        masks = [[0] * len(r["prompt_input_ids"]) + [1] * len(r["completion_input_ids"]) for r in rows]
+        input_ids, attention_mask = pad(sequences, self.pad_token_id, "right")
+        response_mask = pad(masks, 0, "right")[0]
+        labels = input_ids.masked_fill(response_mask == 0, IGNORE_INDEX)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "response_mask": response_mask,
+        }

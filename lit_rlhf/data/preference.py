@@ -1,0 +1,80 @@
+"""PreferenceDataModule: (prompt, chosen, rejected) pairs for reward-model training."""
+
+from __future__ import annotations
+
+from lit_rlhf.data.base import LengthPolicy, RLHFDataModule
+from lit_rlhf.data.collators import PreferenceCollator
+from lit_rlhf.data.formats import (
+    PreferenceFormat,
+    RowRef,
+    Text,
+    detect_preference_format,
+    parse_preference_row,
+)
+
+
+def parse_preference(row: dict, fmt: str, ref: RowRef) -> tuple[Text, tuple[Text, ...], dict[str, float]]:
+    pair = parse_preference_row(row, fmt, ref)
+    extras = {} if pair.margin is None else {"margin": pair.margin}
+    return pair.prompt, (pair.chosen, pair.rejected), extras
+
+
+class PreferenceDataModule(RLHFDataModule):
+    """Preference pairs from a hub dataset, a ``save_to_disk`` folder or a json/jsonl/parquet/csv file.
+
+    Row formats (see :mod:`lit_rlhf.data.formats`): explicit ``prompt``/``chosen``/``rejected``,
+    implicit ``chosen``/``rejected`` (Anthropic HH) and ShareGPT ``conversations`` + ``chosen``/``rejected``;
+    an optional ``margin`` column. Batches come from :class:`~lit_rlhf.data.collators.PreferenceCollator`:
+    ``input_ids``, ``attention_mask``, ``response_mask`` (2B, L), chosen rows first, and ``margin`` (B,).
+    """
+
+    slots = ("chosen", "rejected")
+    collator_class = PreferenceCollator
+    parse = staticmethod(parse_preference)
+
+    def __init__(
+        self,
+        tokenizer: str,
+        train_path: str,
+        val_path: str | None = None,
+        val_fraction: float = 0.1,
+        format: PreferenceFormat = "auto",
+        split: str = "train",
+        val_split: str | None = None,
+        max_length: int = 512,
+        max_prompt_length: int = 256,
+        length_policy: LengthPolicy = "truncate",
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            tokenizer: tokenizer hub id or folder (loaded with the project's pad-token policy).
+            train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
+            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
+            val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
+            format: row format: "explicit", "implicit", "sharegpt", or "auto" to detect it from the columns.
+            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            val_split: split to load from ``val_path``; None means ``split``.
+            max_length: token limit of prompt + response (each of chosen and rejected).
+            max_prompt_length: token limit of the prompt (its end is kept when truncating).
+            length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
+            batch_size: pairs per training batch (the model sees 2 * batch_size sequences).
+            val_batch_size: pairs per validation batch; None means ``batch_size``.
+            num_workers: DataLoader worker processes.
+            seed: seed of the validation carve-out and of the training order.
+            cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if format not in ("auto", "explicit", "implicit", "sharegpt"):
+            raise ValueError(
+                f"PreferenceDataModule: format must be auto/explicit/implicit/sharegpt, got {format!r}"
+            )
+        self._build()
+
+    def detect_format(self, columns: list[str], source: str) -> str:
+        return detect_preference_format(columns, source, self.hparams.format)

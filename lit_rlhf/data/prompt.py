@@ -1,0 +1,66 @@
+"""PromptDataModule: prompts for PPO rollouts, in a deterministic, resumable order."""
+
+from __future__ import annotations
+
+from lit_rlhf.data.base import LengthPolicy, RLHFDataModule
+from lit_rlhf.data.collators import PromptCollator
+from lit_rlhf.data.formats import RowRef, Text, detect_prompt_format, parse_prompt_row
+
+
+def parse_prompt(row: dict, fmt: str, ref: RowRef) -> tuple[Text, tuple[Text, ...], dict[str, float]]:
+    return parse_prompt_row(row, fmt, ref), (), {}
+
+
+class PromptDataModule(RLHFDataModule):
+    """Prompts from a hub dataset, a ``save_to_disk`` folder or a json/jsonl/parquet/csv file.
+
+    Rows have ``prompt`` (string or chat), ``messages`` or ``conversations`` (a final assistant turn is
+    dropped). Chats get the tokenizer's generation prompt. Batches are LEFT-padded for generation:
+    ``{"input_ids": (B, P), "attention_mask": (B, P)}``. The training order is a function of
+    (seed, epoch) and resumes mid-epoch from checkpoints (see :mod:`lit_rlhf.data.sampler`).
+    """
+
+    slots = ()
+    collator_class = PromptCollator
+    parse = staticmethod(parse_prompt)
+
+    def __init__(
+        self,
+        tokenizer: str,
+        train_path: str,
+        val_path: str | None = None,
+        val_fraction: float = 0.0,
+        split: str = "train",
+        val_split: str | None = None,
+        max_prompt_length: int = 256,
+        length_policy: LengthPolicy = "truncate",
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        drop_last: bool = True,
+        cache_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            tokenizer: tokenizer hub id or folder (loaded with the project's pad-token policy).
+            train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
+            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
+            val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
+            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            val_split: split to load from ``val_path``; None means ``split``.
+            max_prompt_length: token limit of a prompt (its end is kept when truncating).
+            length_policy: over-long prompts are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
+            batch_size: prompts per training batch (per rank).
+            val_batch_size: prompts per validation batch; None means ``batch_size``.
+            num_workers: DataLoader worker processes.
+            seed: seed of the validation carve-out and of the training order.
+            drop_last: drop the last incomplete training batch, so every rollout has ``batch_size`` prompts.
+            cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self._build()
+
+    def detect_format(self, columns: list[str], source: str) -> str:
+        return detect_prompt_format(columns, source)

@@ -1,0 +1,81 @@
+"""A seeded, rank-aware training sampler that can resume in the middle of an epoch.
+
+Exact resume: the order of epoch ``e`` is a pure function of ``(seed, e)``, so a restarted run only has
+to know how many samples of that epoch were already consumed. The data modules save
+``{"epoch", "consumed"}`` in their ``state_dict`` (Lightning stores it in every checkpoint) and hand it
+to a new sampler in ``train_dataloader``; a resumed ``Trainer.fit(ckpt_path=...)`` therefore continues
+with exactly the batch that would have come next. Code driving the sampler by hand calls
+``set_epoch(e)`` then ``set_consumed(batches_done * batch_size * num_replicas)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffle with ``randperm(n, seed + epoch)``, shard over ranks, optionally skip consumed samples.
+
+    With nothing consumed the order is exactly ``torch.utils.data.DistributedSampler``'s: the global
+    permutation, padded by repeating its head to a multiple of ``num_replicas`` (or cut when
+    ``drop_last``), rank ``r`` taking positions ``r, r + num_replicas, ...``. ``set_consumed(k)`` removes
+    the first ``k`` positions of the global permutation (samples consumed by all ranks together) before
+    padding and sharding, so a resume may even use a different number of ranks.
+
+    Subclassing ``DistributedSampler`` keeps Lightning from wrapping it in another distributed sampler;
+    ``num_replicas``/``rank`` default to torch.distributed's when it is initialised, else 1/0.
+    ``len()`` is the full epoch's count per rank even after a skip: Lightning counts the batches done
+    before a restart itself and ends the epoch at the full count.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        num_replicas = (
+            num_replicas if num_replicas is not None else dist.get_world_size() if distributed else 1
+        )
+        rank = rank if rank is not None else dist.get_rank() if distributed else 0
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        self.consumed = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order; a *different* epoch starts from its beginning (``consumed = 0``)."""
+        if epoch != self.epoch:
+            self.consumed = 0
+        super().set_epoch(epoch)
+
+    def set_consumed(self, consumed: int) -> None:
+        """Skip the first ``consumed`` samples (all ranks together) of the current epoch."""
+        if consumed < 0:
+            raise ValueError(f"consumed must be >= 0, got {consumed}")
+        self.consumed = consumed
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        rest = order[self.consumed :]
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        else:
+            pad = -len(rest) % self.num_replicas
+            rest += (order * math.ceil(pad / n))[:pad] if pad else []
+        return iter(rest[self.rank :: self.num_replicas])

@@ -1,0 +1,45 @@
+"""Building, loading, exporting and scoring Hugging Face models (see DESIGN.md, models/)."""
+
+from lit_rlhf.models.loading import (
+    build_causal_lm,
+    build_score_model,
+    export_pretrained,
+    frozen_copy,
+    reference_logits_context,
+)
+from lit_rlhf.models.scoring import (
+    ValueHead,
+    causal_lm_logits,
+    causal_lm_logits_and_hidden,
+    last_token_index,
+    position_ids_from_mask,
+    sequence_scores,
+    token_values,
+)
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.models.tokenizer import (
+    SIMPLE_CHAT_TEMPLATE,
+    ensure_pad_token,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+
+__all__ = [
+    "SIMPLE_CHAT_TEMPLATE",
+    "ModelSpec",
+    "ValueHead",
+    "build_causal_lm",
+    "build_score_model",
+    "causal_lm_logits",
+    "causal_lm_logits_and_hidden",
+    "ensure_pad_token",
+    "export_pretrained",
+    "frozen_copy",
+    "last_token_index",
+    "load_tokenizer",
+    "position_ids_from_mask",
+    "reference_logits_context",
+    "sequence_scores",
+    "token_values",
+    "train_bpe_tokenizer",
+]

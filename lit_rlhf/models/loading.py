@@ -1,0 +1,178 @@
+"""Building, exporting and freezing the Hugging Face models of RLHF.
+
+Four roles, two architectures (seeds/001): the actor and the reference are causal LMs
+(``AutoModelForCausalLM``); the reward model and the critic are both
+``AutoModelForSequenceClassification`` with one label. Loading a causal-LM folder (e.g. the SFT export)
+as a sequence classifier keeps the backbone and adds a fresh ``score`` head ("critic initialised from
+the policy"); loading a reward-model export gives the whole reward model ("critic initialised from the
+reward model", seeds/001).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from lit_rlhf.models.spec import ModelSpec
+
+
+@contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Run the block with the CPU RNG seeded by ``seed`` (when given), restoring the global RNG after.
+
+    Random init happens on the CPU, so forking only the CPU generator is enough and leaves the
+    training RNG stream (Lightning's ``seed_everything``) untouched.
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _inline_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, **overrides) -> PretrainedConfig:
+    fields = copy.deepcopy(spec.config)
+    # A vocabulary sized to the tokenizer is the only sensible default for a random-init model, and
+    # its special ids must be the tokenizer's (library defaults such as GPT-2's 50256 are out of range).
+    fields.setdefault("vocab_size", len(tokenizer))
+    fields.update(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **overrides,
+    )
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _set_special_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make the model agree with the tokenizer on pad/EOS (the tokenizer is the source of truth)."""
+    configs = [model.config]
+    if getattr(model, "generation_config", None) is not None:
+        configs.append(model.generation_config)
+    for config in configs:
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+
+
+def _enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    # Non-reentrant checkpointing lets gradients reach LoRA weights even though the (frozen) inputs
+    # of each block do not require grad. transformers >= 5 renamed the method.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def _prepare(model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task_type: str):
+    """Resize embeddings to the tokenizer, set pad/EOS ids, checkpointing and LoRA (in that order)."""
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        # The dedicated pad token (and chat-template tokens) may be new to a pretrained vocabulary.
+        model.resize_token_embeddings(len(tokenizer))
+    _set_special_token_ids(model, tokenizer)
+    if spec.gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    if spec.lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    # For SEQ_CLS peft appends the `score` head to modules_to_save (in place, hence the copy), so the
+    # head stays fully trainable.
+    return get_peft_model(model, LoraConfig(task_type=task_type, **copy.deepcopy(spec.lora)))
+
+
+def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """Actor / reference / SFT model: ``AutoModelForCausalLM`` from a folder or hub id, or from an
+    inline config (random init seeded by ``spec.seed``), prepared for ``tokenizer``.
+
+    Returns a ``PreTrainedModel``, or a peft ``PeftModelForCausalLM`` when ``spec.lora`` is set.
+    """
+    with _seeded(spec.seed):
+        if spec.config is not None:
+            model = AutoModelForCausalLM.from_config(
+                _inline_config(spec, tokenizer),
+                dtype=spec.torch_dtype,
+                trust_remote_code=spec.trust_remote_code,
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code
+            )
+        return _prepare(model, spec, tokenizer, "CAUSAL_LM")
+
+
+def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """Reward model or critic: ``AutoModelForSequenceClassification`` with ``num_labels=1``.
+
+    From a causal-LM folder the backbone is loaded and the ``score`` head is new (seeded by
+    ``spec.seed``); from a reward-model export the whole model, head included, is loaded. Returns a
+    ``PreTrainedModel``, or a peft ``PeftModelForSequenceClassification`` when ``spec.lora`` is set.
+    """
+    with _seeded(spec.seed):
+        if spec.config is not None:
+            model = AutoModelForSequenceClassification.from_config(
+                _inline_config(spec, tokenizer, num_labels=1),
+                dtype=spec.torch_dtype,
+                trust_remote_code=spec.trust_remote_code,
+            )
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                spec.name_or_path,
+                num_labels=1,
+                dtype=spec.torch_dtype,
+                trust_remote_code=spec.trust_remote_code,
+            )
+        return _prepare(model, spec, tokenizer, "SEQ_CLS")
+
+
+def export_pretrained(model: nn.Module, tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``folder`` with ``save_pretrained``.
+
+    A peft model is merged first (on a copy, so ``model`` keeps training with its adapters): the folder
+    then holds plain weights that ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification``
+    load without peft, with the same outputs. Returns the folder.
+    """
+    from peft import PeftModel
+
+    folder = Path(folder)
+    if isinstance(model, PeftModel):
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """An independent copy of ``model`` in eval mode with no trainable parameters (e.g. the reference)."""
+    frozen = copy.deepcopy(model).eval()
+    frozen.requires_grad_(False)
+    return frozen
+
+
+@contextmanager
+def reference_logits_context(actor: nn.Module) -> Iterator[None]:
+    """Within the block a LoRA ``actor`` computes with its adapters disabled, i.e. *is* the reference
+    policy, so no second copy of the base weights is needed. For any other model it does nothing
+    (the caller then uses a separate frozen reference model)."""
+    from peft import PeftModel
+
+    if isinstance(actor, PeftModel):
+        with actor.disable_adapter():
+            yield
+    else:
+        yield

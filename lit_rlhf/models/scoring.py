@@ -1,0 +1,153 @@
+"""Forward helpers that read logits, per-token values and sequence scores from HF models.
+
+All of them take an explicit ``attention_mask`` (1 = real token) and pass position ids computed from
+it, so a row gives the same numbers whether it is left-padded, right-padded or alone in its batch
+(HF forwards otherwise number positions with ``arange``, which shifts every left-padded row).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only.
+
+    Args:
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B, L) long: ``cumsum(mask) - 1`` clamped at 0, so the first real token is at position 0 and
+        padding on either side does not shift the positions of the real tokens.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each row, for any padding side (left, right or none).
+
+    Args:
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B,) long; 0 for a row without real tokens. ``arange(L) * mask`` is largest at the last real
+        token (positions are distinct, padding scores 0).
+    """
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+def _forward_kwargs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+
+
+def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token logits of a causal LM (plain or peft).
+
+    Args:
+        model: an ``*ForCausalLM`` model.
+        input_ids: (B, L).
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B, L, V) logits in the model's dtype; position ``t`` predicts token ``t + 1``.
+    """
+    return model(**_forward_kwargs(input_ids, attention_mask)).logits
+
+
+def causal_lm_logits_and_hidden(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the final hidden state from one forward (for a ``ValueHead`` sharing the backbone).
+
+    Returns:
+        logits (B, L, V) and hidden (B, L, H), the last hidden state (after the final norm) that the
+        LM head reads.
+    """
+    out = model(**_forward_kwargs(input_ids, attention_mask), output_hidden_states=True)
+    return out.logits, out.hidden_states[-1]
+
+
+def _score_head(model: nn.Module) -> nn.Module:
+    # peft keeps the head inside the base model (wrapped for modules_to_save); FSDP1 forwards attribute
+    # access to the wrapped module.
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    head = getattr(base, "score", None)
+    if not isinstance(head, nn.Module):
+        raise TypeError(
+            f"token_values: {type(base).__name__} has no `score` head; expected a one-label "
+            "*ForSequenceClassification model (build it with build_score_model)"
+        )
+    return head
+
+
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head of a ``*ForSequenceClassification`` model at every position.
+
+    Used as per-token critic values V(s_t). HF's forward applies the head to every position and then
+    keeps only the last non-pad one; a forward hook on the head keeps them all. Going through the
+    model's own forward (rather than calling backbone and head separately) keeps peft, FSDP and
+    activation-checkpointing hooks of the top-level module in the path.
+
+    Args:
+        model: a one-label ``*ForSequenceClassification`` model (plain or peft) whose head is
+            ``score`` (Llama, GPT-2, Qwen, Mistral, Gemma, ... all name it so).
+        input_ids: (B, L).
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B, L) float32 values; entries at padding positions are finite but meaningless (mask them).
+    """
+    head = _score_head(model)
+    captured: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    try:
+        model(**_forward_kwargs(input_ids, attention_mask))
+    finally:
+        handle.remove()
+    values = captured[-1]
+    if values.shape[-1] != 1:
+        raise ValueError(
+            f"token_values: the score head has {values.shape[-1]} outputs, expected 1 (num_labels=1)"
+        )
+    return values.squeeze(-1).float()
+
+
+def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score of each sequence: the head read at the last real token (the EOS when present).
+
+    Args:
+        model: a one-label ``*ForSequenceClassification`` model (plain or peft).
+        input_ids: (B, L), any padding side.
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B,) float32 scores.
+    """
+    values = token_values(model, input_ids, attention_mask)
+    return values.gather(-1, last_token_index(attention_mask).unsqueeze(-1)).squeeze(-1)
+
+
+class ValueHead(nn.Module):
+    """A linear value head on the actor's last hidden state (the "critic shares the backbone" option).
+
+    Zero-initialised so that V = 0 at the start: the first advantages are then the rewards themselves
+    instead of rewards minus random noise.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) hidden states -> (B, L) float32 values."""
+        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1).float()

@@ -1,0 +1,99 @@
+"""``ModelSpec``: where a model comes from and how it is prepared, as a plain dataclass.
+
+It is the type of every ``model:`` / ``reward_model:`` / ``critic:`` entry of the YAML configs, so
+jsonargparse/LightningCLI validate it and document its fields (from the ``Args:`` below) in ``--help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+def _lora_field_names() -> set[str]:
+    from peft import LoraConfig
+
+    return {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+
+
+@dataclass
+class ModelSpec:
+    """How to build one model (policy, reward model or critic).
+
+    Args:
+        name_or_path: hub id or local folder (``save_pretrained`` output), loaded with ``from_pretrained``.
+        config: inline transformers config with a ``model_type`` key; the model is randomly initialised.
+        tokenizer: hub id or folder of the tokenizer; defaults to ``name_or_path``.
+        dtype: parameter dtype of the model (log-probs and losses are float32 regardless).
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        lora: peft ``LoraConfig`` fields (e.g. r, lora_alpha, lora_dropout, target_modules); None = full fine-tuning.
+        trust_remote_code: allow model/tokenizer code from the hub repository to run.
+        seed: seed of every random initialisation (inline config, new heads, new embedding rows, LoRA).
+    """
+
+    name_or_path: str | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    dtype: DTypeName = "float32"
+    gradient_checkpointing: bool = False
+    lora: dict[str, Any] | None = None
+    trust_remote_code: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError(
+                "ModelSpec: give exactly one of `name_or_path` (pretrained weights) or `config` "
+                f"(random init); got name_or_path={self.name_or_path!r}, config={self.config!r}"
+            )
+        if self.config is not None:
+            if "model_type" not in self.config:
+                raise ValueError(
+                    "ModelSpec.config: an inline config needs a `model_type` key (e.g. 'gpt2', 'llama'); "
+                    f"got keys {sorted(self.config)}"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    "ModelSpec.tokenizer: required when the model is given as an inline `config` "
+                    "(there is no folder to take the tokenizer from)"
+                )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"ModelSpec.dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.lora is not None:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        from peft import LoraConfig
+
+        if "task_type" in self.lora:
+            raise ValueError(
+                "ModelSpec.lora: do not set `task_type`; the builder sets CAUSAL_LM or SEQ_CLS itself"
+            )
+        unknown = sorted(set(self.lora) - _lora_field_names())
+        if unknown:
+            raise ValueError(
+                f"ModelSpec.lora: unknown LoraConfig field(s) {unknown}; "
+                "valid ones include r, lora_alpha, lora_dropout, target_modules, modules_to_save, bias"
+            )
+        rank = self.lora.get("r", 1)  # absent: peft's default rank, which is valid
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"ModelSpec.lora.r: the LoRA rank must be a positive integer, got {rank!r}")
+        try:
+            LoraConfig(**self.lora)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"ModelSpec.lora: invalid LoRA settings {self.lora!r}: {err}") from err
+
+    @property
+    def tokenizer_name_or_path(self) -> str:
+        """Where the tokenizer is loaded from (``tokenizer``, else ``name_or_path``)."""
+        return self.tokenizer if self.tokenizer is not None else self.name_or_path
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -1,0 +1,63 @@
+"""Shared builders for the PPO tests: a tiny prompt loader and a tiny PPOModule."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Trainer
+
+from lit_rlhf.models import ModelSpec, load_tokenizer
+from lit_rlhf.modules import PPOModule
+from lit_rlhf.rollout import GenerationSettings
+
+PROMPTS = ["the food was", "i loved the", "the staff is", "we hated", "the movie", "a room", "it was", "the plot"]
+
+
+def prompt_loader(tokenizer_dir: str, n: int = 16, batch_size: int = 8) -> torch.utils.data.DataLoader:
+    """Left-padded prompt batches (input_ids, attention_mask), in a fixed order."""
+    tok = load_tokenizer(tokenizer_dir)
+    enc = [tok(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(n)]
+    width = max(map(len, enc))
+    rows = [
+        {
+            "input_ids": torch.tensor([tok.pad_token_id] * (width - len(e)) + e),
+            "attention_mask": torch.tensor([0] * (width - len(e)) + [1] * len(e)),
+        }
+        for e in enc
+    ]
+    return torch.utils.data.DataLoader(rows, batch_size=batch_size)
+
+
+def adamw(lr: float):
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def tiny_ppo(tokenizer_dir: str, config: dict, cls: type[PPOModule] = PPOModule, **overrides) -> PPOModule:
+    kwargs = dict(
+        actor=ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0),
+        reward_fn="ppo_rewards:the_count",
+        generation=GenerationSettings(max_new_tokens=8),
+        ppo_epochs=4,
+        num_minibatches=2,
+        forward_batch_size=4,
+        log_samples_every=0,
+        actor_optimizer=adamw(1e-2),
+        critic_optimizer=adamw(1e-2),
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def trainer(tmp_path, **kwargs) -> Trainer:
+    from lightning.pytorch.loggers import CSVLogger
+
+    defaults = dict(
+        logger=CSVLogger(tmp_path, name="ppo"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        max_epochs=1000,
+        deterministic=True,
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)

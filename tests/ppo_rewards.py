@@ -1,0 +1,11 @@
+"""Rule rewards for the PPO tests, importable as ``ppo_rewards:NAME`` (tests/ is on sys.path)."""
+
+
+def the_count(prompts: list[str], responses: list[str]) -> list[float]:
+    """How often the response contains the string 'the' (a frequent token of the test tokenizer)."""
+    return [float(response.count("the")) for response in responses]
+
+
+def e_rate(prompts: list[str], responses: list[str]) -> list[float]:
+    """Fraction of the response's characters that are 'e' (dense: many tokens contain one)."""
+    return [response.count("e") / max(len(response), 1) for response in responses]

@@ -1,0 +1,104 @@
+"""masked_mean / masked_var / masked_whiten / explained_variance: hand values and properties."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from lit_rlhf.functional import explained_variance, masked_mean, masked_var, masked_whiten
+
+NAN = float("nan")
+# x = [[1, 2, pad], [4, pad, pad]] with garbage (nan, inf) at the padding
+X = torch.tensor([[1.0, 2.0, NAN], [4.0, float("inf"), NAN]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+def test_masked_mean_hand_computed():
+    # (1 + 2 + 4) / 3 = 7/3
+    torch.testing.assert_close(masked_mean(X, MASK), torch.tensor(7 / 3))
+    # per row: (1 + 2) / 2 = 1.5, 4 / 1 = 4
+    torch.testing.assert_close(masked_mean(X, MASK, dim=1), torch.tensor([1.5, 4.0]))
+    # per column: (1 + 4) / 2 = 2.5, 2 / 1 = 2, no real element: 0/0 = nan (documented, no error)
+    torch.testing.assert_close(masked_mean(X, MASK, dim=0), torch.tensor([2.5, 2.0, NAN]), equal_nan=True)
+
+
+def test_masked_mean_dtypes():
+    assert masked_mean(X.to(torch.bfloat16), MASK).dtype == torch.float32
+    assert masked_mean(X.double(), MASK.bool()).dtype == torch.float64
+
+
+def test_masked_var_hand_computed():
+    # mean 7/3; squared deviations (4/3)^2 + (1/3)^2 + (5/3)^2 = 16/9 + 1/9 + 25/9 = 42/9
+    torch.testing.assert_close(masked_var(X, MASK), torch.tensor(42 / 9 / 2))  # unbiased: / (3 - 1) = 7/3
+    torch.testing.assert_close(masked_var(X, MASK, unbiased=False), torch.tensor(42 / 9 / 3))  # biased: 14/9
+
+
+def test_masked_var_needs_enough_elements():
+    one = torch.tensor([[1, 0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match="1 real element"):
+        masked_var(X, one)
+    torch.testing.assert_close(masked_var(X, one, unbiased=False), torch.tensor(0.0))
+    with pytest.raises(ValueError, match="0 real element"):
+        masked_var(X, torch.zeros_like(one), unbiased=False)
+
+
+def test_masked_whiten_hand_computed():
+    # mean 7/3, unbiased var 7/3: (x - 7/3) / sqrt(7/3 + 1e-8)
+    s = math.sqrt(7 / 3 + 1e-8)
+    expected = torch.tensor([[(1 - 7 / 3) / s, (2 - 7 / 3) / s, 0.0], [(4 - 7 / 3) / s, 0.0, 0.0]])
+    torch.testing.assert_close(masked_whiten(X, MASK), expected)
+    # shift_mean=False adds the mean back on real tokens (padding stays 0)
+    torch.testing.assert_close(masked_whiten(X, MASK, shift_mean=False), expected + 7 / 3 * MASK)
+
+
+def test_whiten_constant_input_is_finite():
+    # var = 0: (x - mean) / sqrt(0 + 1e-8) = 0, not nan
+    out = masked_whiten(torch.full((2, 3), 5.0), torch.ones(2, 3))
+    assert torch.equal(out, torch.zeros(2, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    loc=st.floats(-100, 100),
+    scale=st.floats(0.01, 100),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_whiten_gives_zero_mean_unit_variance(lengths, loc, scale, seed):
+    assume(sum(lengths) >= 2)
+    mask = torch.tensor([[1] * n + [0] * (max(lengths) - n) for n in lengths])
+    x = loc + scale * torch.randn(
+        mask.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+    var = masked_var(x, mask)
+    assume(var > 1e-6 * scale**2)
+    white = masked_whiten(x, mask)
+    torch.testing.assert_close(
+        masked_mean(white, mask), torch.tensor(0.0, dtype=torch.float64), atol=1e-9, rtol=0
+    )
+    # unit variance up to the 1e-8 of the denominator: var / (var + 1e-8)
+    torch.testing.assert_close(masked_var(white, mask), var / (var + 1e-8))
+    kept = masked_whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(masked_mean(kept, mask), masked_mean(x, mask))
+    torch.testing.assert_close(masked_var(kept, mask), var / (var + 1e-8))
+    assert (white[~mask.bool()] == 0).all() and (kept[~mask.bool()] == 0).all()
+
+
+def test_explained_variance_hand_computed():
+    returns = torch.tensor([[1.0, 2.0, 3.0, NAN]])
+    values = torch.tensor([[1.0, 2.0, 2.0, float("inf")]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # returns - values = (0, 0, 1): mean 1/3, biased var (1/9 + 1/9 + 4/9) / 3 = 2/9
+    # returns: mean 2, biased var (1 + 0 + 1) / 3 = 2/3;  1 - (2/9) / (2/3) = 2/3
+    torch.testing.assert_close(explained_variance(values, returns, mask), torch.tensor(2 / 3))
+    # perfect critic: 1
+    torch.testing.assert_close(explained_variance(returns, returns, mask), torch.tensor(1.0))
+    # constant returns: undefined -> nan
+    assert explained_variance(values, torch.ones(1, 4), mask).isnan()
+
+
+def test_shape_mismatch_is_reported():
+    with pytest.raises(ValueError, match="`mask` has shape"):
+        masked_mean(X, MASK[:, :2])
