@@ -40,6 +40,7 @@ def tiny_ppo(tokenizer_dir: str, config: dict, cls: type[PPOModule] = PPOModule,
         num_minibatches=2,
         forward_batch_size=4,
         log_samples_every=0,
+        monitor_reward_fn="ppo_rewards:the_count",
         actor_optimizer=adamw(1e-2),
         critic_optimizer=adamw(1e-2),
     )

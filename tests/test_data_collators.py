@@ -22,14 +22,29 @@ def test_prompt_collator_left_pads():
 
 def test_preference_collator_chosen_first_right_padded():
     rows = [
-        {"prompt_input_ids": [1, 2], "chosen_input_ids": [3, EOS], "rejected_input_ids": [4, 5, EOS], "margin": 2},
+        {
+            "prompt_input_ids": [1, 2],
+            "chosen_input_ids": [3, EOS],
+            "rejected_input_ids": [4, 5, EOS],
+            "margin": 2,
+        },
         {"prompt_input_ids": [6], "chosen_input_ids": [7, EOS], "rejected_input_ids": [EOS], "margin": 0.5},
     ]
     batch = PreferenceCollator(PAD)(rows)
     # rows: chosen of pair 0, chosen of pair 1, rejected of pair 0, rejected of pair 1; L = 2 + 3 = 5
     assert batch["input_ids"].tolist() == [[1, 2, 3, 9, 0], [6, 7, 9, 0, 0], [1, 2, 4, 5, 9], [6, 9, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 0, 0, 0],
+    ]
+    assert batch["response_mask"].tolist() == [
+        [0, 0, 1, 1, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1],
+        [0, 1, 0, 0, 0],
+    ]
     assert batch["margin"].dtype == torch.float32 and batch["margin"].tolist() == [2.0, 0.5]
 
 
@@ -127,7 +142,9 @@ def test_resume_yields_the_remaining_order(n, replicas, batches, epoch, drop_las
 
 @given(n=st.integers(1, 30), replicas=st.integers(1, 4))
 def test_ranks_partition_the_epoch(n, replicas):
-    shards = [list(ResumableSampler(range(n), seed=3, num_replicas=replicas, rank=r)) for r in range(replicas)]
+    shards = [
+        list(ResumableSampler(range(n), seed=3, num_replicas=replicas, rank=r)) for r in range(replicas)
+    ]
     assert len({len(s) for s in shards}) == 1  # equal shares, or ranks would wait on each other
     assert set().union(*shards) == set(range(n))
     assert sum(map(len, shards)) - n < replicas  # only the padding repeats samples

@@ -45,7 +45,11 @@ def test_implicit_split_without_marker_cuts_before_last_whitespace():
     # common prefix "the food was " -> cut before its last space: responses keep the leading space
     assert split_implicit_prompt("the food was good", "the food was bad") == ("the food was", " good", " bad")
     # a shared partial word ("g") is not part of the prompt
-    assert split_implicit_prompt("the food was good", "the food was great") == ("the food was", " good", " great")
+    assert split_implicit_prompt("the food was good", "the food was great") == (
+        "the food was",
+        " good",
+        " great",
+    )
     # no whitespace and no marker in the common prefix -> empty prompt
     assert split_implicit_prompt("good", "great")[0] == ""
 
@@ -69,7 +73,11 @@ def test_parse_implicit_row_and_chat_variant():
     assert (pair.prompt, pair.chosen, pair.rejected, pair.margin) == ("the food was", " good", " bad", None)
     chats = {"chosen": [user("q"), assistant("yes")], "rejected": [user("q"), assistant("no")]}
     pair = parse_preference_row(chats, "implicit", REF)
-    assert pair.prompt == [user("q")] and pair.chosen == [assistant("yes")] and pair.rejected == [assistant("no")]
+    assert (
+        pair.prompt == [user("q")]
+        and pair.chosen == [assistant("yes")]
+        and pair.rejected == [assistant("no")]
+    )
 
 
 @pytest.mark.parametrize(
@@ -154,7 +162,10 @@ def test_prompt_rows_drop_a_final_assistant_turn():
 
 def test_sft_rows():
     assert parse_sft_row({"prompt": "p", "response": "r"}, "response", REF) == ("p", "r")
-    assert parse_sft_row({"messages": [user("q"), assistant("a")]}, "messages", REF) == ([user("q")], [assistant("a")])
+    assert parse_sft_row({"messages": [user("q"), assistant("a")]}, "messages", REF) == (
+        [user("q")],
+        [assistant("a")],
+    )
     with pytest.raises(DataFormatError, match=r"field 'messages\[1\].role': the last message"):
         parse_sft_row({"messages": [assistant("a"), user("q")]}, "messages", REF)
 
@@ -197,7 +208,11 @@ def test_render_strings_verbatim_and_chats(tokenizer, chat_tokenizer_dir):
     assert render(tokenizer, "p q", ["a", "b"]).responses == ("a", "b")
     # a string response to a chat prompt becomes an assistant message
     plain = render(tokenizer, [user("hi")], ["yo", [assistant("no")]])
-    assert (plain.prompt, plain.responses, plain.templated) == ("User: hi\n\nAssistant:", (" yo", " no"), False)
+    assert (plain.prompt, plain.responses, plain.templated) == (
+        "User: hi\n\nAssistant:",
+        (" yo", " no"),
+        False,
+    )
     templated = render(load_tokenizer(chat_tokenizer_dir), "hi", [[assistant("yo")]])
     assert templated.prompt == "<|user|>hi<|end|><|assistant|>"
     assert templated.responses == ("yo<|end|>",) and templated.templated

@@ -15,7 +15,11 @@ from lit_rlhf.data import DataFormatError, PreferenceDataModule, PromptDataModul
 
 datasets.disable_progress_bars()
 
-ITEMS = [("the food was", "good", "bad"), ("the movie was", "great", "awful"), ("the staff were", "friendly", "rude")]
+ITEMS = [
+    ("the food was", "good", "bad"),
+    ("the movie was", "great", "awful"),
+    ("the staff were", "friendly", "rude"),
+]
 EOS = "<|endoftext|>"
 FILE_TYPES = ["json", "jsonl", "parquet", "csv", "disk"]
 
@@ -104,7 +108,9 @@ FILE_CASES = [
 
 
 @pytest.mark.parametrize("cls, name, build, expected, csv_ok, file_type", FILE_CASES)
-def test_every_format_from_every_file_type(cls, name, build, expected, csv_ok, file_type, tokenizer_dir, tmp_path):
+def test_every_format_from_every_file_type(
+    cls, name, build, expected, csv_ok, file_type, tokenizer_dir, tmp_path
+):
     path = write_rows([build(*item) for item in ITEMS], tmp_path, file_type)
     dm = make(cls, tokenizer_dir, path, tmp_path)
     dm.setup("fit")
@@ -114,7 +120,9 @@ def test_every_format_from_every_file_type(cls, name, build, expected, csv_ok, f
 @pytest.mark.parametrize("cls, name, build, expected, csv_ok", CASES, ids=CASE_IDS)
 def test_every_format_with_a_chat_template(cls, name, build, expected, csv_ok, chat_tokenizer_dir, tmp_path):
     # string rows stay verbatim; chats go through the tokenizer's template
-    dm = make(cls, chat_tokenizer_dir, write_rows([build(*item) for item in ITEMS], tmp_path, "jsonl"), tmp_path)
+    dm = make(
+        cls, chat_tokenizer_dir, write_rows([build(*item) for item in ITEMS], tmp_path, "jsonl"), tmp_path
+    )
     dm.setup("fit")
     check_rows(dm, expected, templated=True)
 
@@ -122,14 +130,21 @@ def test_every_format_with_a_chat_template(cls, name, build, expected, csv_ok, c
 def test_forced_format_overrides_detection(tokenizer_dir, tmp_path):
     # rows with a prompt column read as implicit: the prompt column is ignored, the split recovers it
     rows = [{"prompt": "ignored", "chosen": f"{p} {c}", "rejected": f"{p} {r}"} for p, c, r in ITEMS]
-    dm = make(PreferenceDataModule, tokenizer_dir, write_rows(rows, tmp_path, "jsonl"), tmp_path, format="implicit")
+    dm = make(
+        PreferenceDataModule, tokenizer_dir, write_rows(rows, tmp_path, "jsonl"), tmp_path, format="implicit"
+    )
     dm.setup()
     check_rows(dm, verbatim, templated=False)
 
 
 def test_preference_batches(tokenizer_dir, tmp_path):
-    rows = [{"prompt": p, "chosen": f" {c}", "rejected": f" {r}", "margin": i} for i, (p, c, r) in enumerate(ITEMS)]
-    dm = make(PreferenceDataModule, tokenizer_dir, write_rows(rows, tmp_path, "jsonl"), tmp_path, batch_size=2)
+    rows = [
+        {"prompt": p, "chosen": f" {c}", "rejected": f" {r}", "margin": i}
+        for i, (p, c, r) in enumerate(ITEMS)
+    ]
+    dm = make(
+        PreferenceDataModule, tokenizer_dir, write_rows(rows, tmp_path, "jsonl"), tmp_path, batch_size=2
+    )
     dm.setup()
     batch = dm.collator([dm.train_dataset[i] for i in range(3)])
     tok = dm.tokenizer
@@ -146,14 +161,16 @@ def test_preference_batches(tokenizer_dir, tmp_path):
 
 
 def test_sft_labels_and_prompt_batches(tokenizer_dir, tmp_path):
-    sft = make(SFTDataModule, tokenizer_dir, write_rows([{"prompt": p, "completion": f" {c}"} for p, c, _ in ITEMS], tmp_path, "jsonl"), tmp_path, batch_size=3)  # fmt: skip
+    sft_rows = [{"prompt": p, "completion": f" {c}"} for p, c, _ in ITEMS]
+    sft = make(SFTDataModule, tokenizer_dir, write_rows(sft_rows, tmp_path, "jsonl"), tmp_path, batch_size=3)
     sft.setup()
     batch = next(iter(sft.train_dataloader()))
     assert set(batch) == {"input_ids", "attention_mask", "labels", "response_mask"}
     for labels in batch["labels"]:
         decoded = sft.tokenizer.decode(labels[labels != -100])
         assert decoded in {f" {c}{EOS}" for _, c, _ in ITEMS}  # only completion + EOS carries a label
-    prompts = make(PromptDataModule, tokenizer_dir, write_rows([{"prompt": p} for p, _, _ in ITEMS], tmp_path, "json"), tmp_path, batch_size=2)  # fmt: skip
+    prompt_path = write_rows([{"prompt": p} for p, _, _ in ITEMS], tmp_path, "json")
+    prompts = make(PromptDataModule, tokenizer_dir, prompt_path, tmp_path, batch_size=2)
     prompts.setup()
     batches = list(prompts.train_dataloader())
     assert len(batches) == 1  # drop_last: 3 prompts at batch_size 2 -> one full batch
@@ -163,9 +180,13 @@ def test_sft_labels_and_prompt_batches(tokenizer_dir, tmp_path):
 
 def test_saved_dataset_dict_split(tokenizer_dir, tmp_path):
     rows = [{"prompt": p} for p, _, _ in ITEMS]
-    ds = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])})
+    ds = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:1])}
+    )
     ds.save_to_disk(str(tmp_path / "dd"))
-    dm = PromptDataModule(tokenizer_dir, str(tmp_path / "dd"), val_path=str(tmp_path / "dd"), val_split="test")
+    dm = PromptDataModule(
+        tokenizer_dir, str(tmp_path / "dd"), val_path=str(tmp_path / "dd"), val_split="test"
+    )
     dm.setup()
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (3, 1)
     with pytest.raises(DataFormatError, match="no split 'dev'"):
@@ -190,14 +211,21 @@ def test_length_policies_and_counts(policy, tokenizer, tokenizer_dir, tmp_path):
     handler.emit = lambda record: seen.append(record.getMessage())
     records.addHandler(handler)
     try:
-        dm = make(PreferenceDataModule, tokenizer_dir, write_rows(rows, tmp_path, "jsonl"), tmp_path,
-                  max_prompt_length=4, max_length=8, length_policy=policy)  # fmt: skip
+        path = write_rows(rows, tmp_path, "jsonl")
+        limits = dict(max_prompt_length=4, max_length=8, length_policy=policy)
+        dm = make(PreferenceDataModule, tokenizer_dir, path, tmp_path, **limits)
         dm.setup()
     finally:
         records.removeHandler(handler)
     over = 2
-    assert dm.stats["train"] == {"rows": 3, "truncated": over * (policy == "truncate"), "dropped": over * (policy == "drop")}
-    assert any(f"{over * (policy == 'truncate')} truncated, {over * (policy == 'drop')} dropped" in m for m in seen)
+    assert dm.stats["train"] == {
+        "rows": 3,
+        "truncated": over * (policy == "truncate"),
+        "dropped": over * (policy == "drop"),
+    }
+    assert any(
+        f"{over * (policy == 'truncate')} truncated, {over * (policy == 'drop')} dropped" in m for m in seen
+    )
     eos = tokenizer.eos_token_id
     if policy == "drop":
         assert len(dm.train_dataset) == 1 and dm.train_dataset[0]["chosen_input_ids"] == [*ids(" good"), eos]
@@ -212,7 +240,9 @@ def test_length_policies_and_counts(policy, tokenizer, tokenizer_dir, tmp_path):
 def test_all_rows_dropped_is_an_error(tokenizer_dir, tmp_path):
     path = write_rows([{"prompt": "the food was good and bad"}], tmp_path, "jsonl")
     with pytest.raises(DataFormatError, match="all 1 rows"):
-        make(PromptDataModule, tokenizer_dir, path, tmp_path, max_prompt_length=1, length_policy="drop").setup()
+        make(
+            PromptDataModule, tokenizer_dir, path, tmp_path, max_prompt_length=1, length_policy="drop"
+        ).setup()
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -222,8 +252,18 @@ BAD_ROWS = [
     ("wrong type", {**GOOD, "chosen": 5}, "chosen", "got int"),
     ("empty prompt", {**GOOD, "prompt": " "}, "prompt", "empty text"),
     ("empty response", {**GOOD, "rejected": ""}, "rejected", "empty text"),
-    ("non-string content", {**GOOD, "prompt": [{"role": "user", "content": 3}]}, "prompt[0].content", "got int"),
-    ("unknown role", {**GOOD, "prompt": [{"role": "robot", "content": "hi"}]}, "prompt[0].role", "unknown role"),
+    (
+        "non-string content",
+        {**GOOD, "prompt": [{"role": "user", "content": 3}]},
+        "prompt[0].content",
+        "got int",
+    ),
+    (
+        "unknown role",
+        {**GOOD, "prompt": [{"role": "robot", "content": "hi"}]},
+        "prompt[0].role",
+        "unknown role",
+    ),
 ]
 
 
@@ -290,7 +330,9 @@ def test_validation_carving_is_seeded_and_disjoint(tokenizer_dir, tmp_path):
     path = write_rows([{"prompt": f"row {i}"} for i in range(40)], tmp_path, "jsonl")
 
     def split(seed):
-        dm = PromptDataModule(tokenizer_dir, path, val_fraction=0.25, seed=seed, cache_dir=str(tmp_path / "c"))
+        dm = PromptDataModule(
+            tokenizer_dir, path, val_fraction=0.25, seed=seed, cache_dir=str(tmp_path / "c")
+        )
         dm.setup()
         decode = lambda ds: {dm.tokenizer.decode(r["prompt_input_ids"]) for r in ds}  # noqa: E731
         return decode(dm.train_dataset), decode(dm.val_dataset)
@@ -309,5 +351,8 @@ def test_val_path_is_used_instead_of_carving(tokenizer_dir, tmp_path):
     val = write_rows([{"prompt": "the movie"}], tmp_path / "v", "csv")
     dm = PromptDataModule(tokenizer_dir, train, val_path=val, val_fraction=0.5)  # val_path wins
     dm.setup()
-    assert len(dm.train_dataset) == 3 and dm.tokenizer.decode(dm.val_dataset[0]["prompt_input_ids"]) == "the movie"
+    assert (
+        len(dm.train_dataset) == 3
+        and dm.tokenizer.decode(dm.val_dataset[0]["prompt_input_ids"]) == "the movie"
+    )
     assert set(dm.stats) == {"train", "val"}

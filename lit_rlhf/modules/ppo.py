@@ -48,6 +48,8 @@ class PPOModule(LightningModule):
         actor: the policy to train (usually the SFT export).
         reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
         reward_fn: ``package.module:function`` mapping (prompts, responses) strings to float scores.
+        monitor_reward_fn: a second ``module:function`` scorer that is only logged
+            (``rollout/monitor_score``), never optimised: e.g. a gold reward beside a proxy reward model.
         critic: critic spec; None starts it from the reward model (seeds/001), or from the actor's
             backbone with a fresh head when rewards come from a function.
         reference: reference policy spec; None = the initial actor (its LoRA-disabled self for a LoRA actor).
@@ -90,6 +92,7 @@ class PPOModule(LightningModule):
         actor: ModelSpec,
         reward_model: ModelSpec | None = None,
         reward_fn: str | None = None,
+        monitor_reward_fn: str | None = None,
         critic: ModelSpec | None = None,
         reference: ModelSpec | None = None,
         share_critic_backbone: bool = False,
@@ -143,6 +146,7 @@ class PPOModule(LightningModule):
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
             self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
+            self.monitor = None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
             if share_critic_backbone:
                 self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
             else:
@@ -174,6 +178,9 @@ class PPOModule(LightningModule):
         old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(input_ids, attention_mask, T)
         scores = self.rewards.score(input_ids, attention_mask, T, self.hparams.forward_batch_size)
         scores = self.adjust_scores(scores, truncated)
+        if self.monitor is not None:
+            monitor = self.monitor.score(input_ids, attention_mask, T, self.hparams.forward_batch_size)
+            self.rollout_metrics.update({"monitor_score": monitor.mean()})
         # 3. KL-shaped per-token rewards (seeds/000), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(
             scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, self.hparams.kl_estimator

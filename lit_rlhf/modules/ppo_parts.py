@@ -120,7 +120,7 @@ class MetricGroup(torch.nn.Module):
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy",
-    "explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean",
+    "explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean", "monitor_score",
 )  # fmt: skip
 PPO_METRICS = (
     "policy_loss", "value_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "value_clipfrac",
