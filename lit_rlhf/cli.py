@@ -26,7 +26,8 @@ class LitRLHFCLI(LightningCLI):
     """LightningCLI with lit_rlhf's defaults (TensorBoard logger, progress bar, overwritable config)."""
 
 
-def main(args: list[str] | None = None) -> LitRLHFCLI:
+def run_cli(args: list[str] | None = None) -> LitRLHFCLI:
+    """Run the CLI on ``args`` (default: ``sys.argv``) and return it (its ``trainer``, ``model``, ``datamodule``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import lit_rlhf.data  # noqa: F401  (registers the DataModules for class_path short names)
     import lit_rlhf.modules  # noqa: F401
@@ -41,6 +42,11 @@ def main(args: list[str] | None = None) -> LitRLHFCLI:
         auto_configure_optimizers=False,
         args=args,
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console-script entry point of ``lit-rlhf``."""
+    run_cli(args)
 
 
 if __name__ == "__main__":

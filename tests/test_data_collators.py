@@ -148,3 +148,25 @@ def test_ranks_partition_the_epoch(n, replicas):
     assert len({len(s) for s in shards}) == 1  # equal shares, or ranks would wait on each other
     assert set().union(*shards) == set(range(n))
     assert sum(map(len, shards)) - n < replicas  # only the padding repeats samples
+
+
+def _shard_in_process_group(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        sampler = ResumableSampler(range(10), seed=4)  # replicas and rank from torch.distributed
+        torch.save((sampler.num_replicas, sampler.rank, list(sampler)), f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_sampler_takes_rank_and_world_size_from_torch_distributed(tmp_path):
+    torch.multiprocessing.spawn(
+        _shard_in_process_group, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert [(r[0], r[1]) for r in results] == [(2, 0), (2, 1)]
+    expected = [list(ResumableSampler(range(10), seed=4, num_replicas=2, rank=rank)) for rank in range(2)]
+    assert [r[2] for r in results] == expected and not set(expected[0]) & set(expected[1])

@@ -224,3 +224,20 @@ def test_clip_lengths_keeps_prompt_end_and_response_start():
     assert (prompt, responses, over) == ([3, 4, 5, 6], [[7, 8], [9, 10, 11]], True)
     assert clip_lengths([1, 2], [[3]], 4, 7) == ([1, 2], [[3]], False)
     assert clip_lengths([1, 2, 3], [], 2, None) == ([2, 3], [], True)
+
+
+def test_tokenize_rendered_appends_eos_once(tokenizer):
+    from lit_rlhf.data.render import Rendered, tokenize_rendered
+
+    eos = tokenizer.eos_token_id
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [
+        Rendered("the food", (" good", " bad<|endoftext|>"), templated=False),
+        # a template that writes a newline after the closing EOS: the newline goes, EOS stays single
+        Rendered("<|endoftext|>the", ("good<|endoftext|>\n", " bad\n"), templated=True),
+    ]
+    prompts, responses = tokenize_rendered(tokenizer, rows)
+    assert prompts == [ids("the food"), ids("<|endoftext|>the")]
+    assert responses[0] == [[*ids(" good"), eos], [*ids(" bad"), eos]]
+    assert responses[1] == [[*ids("good"), eos], [*ids(" bad\n"), eos]]
+    assert tokenize_rendered(tokenizer, [Rendered("p", (), False)]) == ([ids("p")], [[]])

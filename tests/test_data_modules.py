@@ -356,3 +356,42 @@ def test_val_path_is_used_instead_of_carving(tokenizer_dir, tmp_path):
         and dm.tokenizer.decode(dm.val_dataset[0]["prompt_input_ids"]) == "the movie"
     )
     assert set(dm.stats) == {"train", "val"}
+
+
+def test_chat_template_failure_names_the_row(tokenizer, tmp_path):
+    # a template that rejects system messages, as some model templates do
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    tokenizer.save_pretrained(tmp_path / "tok")
+    rows = [
+        {"messages": [user("the food")]},
+        {"messages": [{"role": "system", "content": "be nice"}, user("a")]},
+    ]
+    path = write_rows(rows, tmp_path, "jsonl")
+    with pytest.raises(
+        DataFormatError, match=r"row 1 \(0-based\): the tokenizer's chat template failed: no system"
+    ):
+        make(PromptDataModule, str(tmp_path / "tok"), path, tmp_path).setup()
+
+
+def test_too_few_prompts_for_one_batch(tokenizer_dir, tmp_path):
+    dm = make(
+        PromptDataModule, tokenizer_dir, write_rows([{"prompt": "the"}] * 3, tmp_path, "jsonl"), tmp_path
+    )
+    dm.setup()  # batch_size 8 > 3 rows, and drop_last would leave no batch
+    with pytest.raises(ValueError, match="fewer than batch_size=8"):
+        dm.train_dataloader()
+
+
+def test_cli_can_read_the_signatures():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(PreferenceDataModule, "data")
+    cfg = parser.parse_args(["--data.tokenizer=t", "--data.train_path=x.jsonl", "--data.format=implicit"])
+    assert cfg.data.format == "implicit" and cfg.data.max_length == 512
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data.tokenizer=t", "--data.train_path=x.jsonl", "--data.length_policy=cut"])
+    assert "prompt + response" in parser.format_help()  # the one-line docs reach --help

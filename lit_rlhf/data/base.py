@@ -49,7 +49,13 @@ def encode_batch(
     """
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     parsed = [parse(row, fmt, RowRef(source, i)) for row, i in zip(rows, indices)]
-    prompts, responses = tokenize_rendered(tokenizer, [render(tokenizer, p, r) for p, r, _ in parsed])
+    rendered = []
+    for (prompt, row_responses, _), i in zip(parsed, indices):
+        try:
+            rendered.append(render(tokenizer, prompt, row_responses))
+        except Exception as err:  # a template's own checks (e.g. "roles must alternate") raise anything
+            raise DataFormatError(source, f"the tokenizer's chat template failed: {err}", row=i) from err
+    prompts, responses = tokenize_rendered(tokenizer, rendered)
     out: dict[str, list] = {
         "prompt_input_ids": [],
         "over_length": [],
@@ -105,6 +111,15 @@ class RLHFDataModule(LightningDataModule):
         # per split: rows (before the length policy), truncated, dropped
         self.stats: dict[str, dict[str, int]] = {}
         self._resume = {"epoch": 0, "consumed": 0}
+
+    @override
+    def prepare_data(self) -> None:
+        """Download, validate and tokenise every source once per node, filling the ``datasets`` cache
+        that each rank's ``setup`` then reads instead of repeating the work."""
+        hp = self.hparams
+        self._encode(hp.train_path, hp.split)
+        if hp.val_path is not None:
+            self._encode(hp.val_path, hp.val_split or hp.split)
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -166,6 +181,11 @@ class RLHFDataModule(LightningDataModule):
         self.train_sampler = ResumableSampler(self.train_dataset, shuffle=True, seed=self.hparams.seed)
         self.train_sampler.set_epoch(self._resume["epoch"])
         self.train_sampler.set_consumed(self._resume["consumed"])
+        if self._drop_last() and len(self.train_sampler) < self.hparams.batch_size:
+            raise ValueError(
+                f"{type(self).__name__}: {len(self.train_sampler)} training rows per rank are fewer than"
+                f" batch_size={self.hparams.batch_size}; with drop_last there would be no batch at all"
+            )
         return self._loader(
             self.train_dataset, self.hparams.batch_size, self.train_sampler, self._drop_last()
         )

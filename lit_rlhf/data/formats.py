@@ -98,7 +98,7 @@ def _parse_message(message: Any, ref: RowRef, field: str, *, sharegpt: bool) -> 
         raise ref.error(field, f"expected a {{{role_key}, {content_key}}} message, got {_type(message)}")
     role = message.get(role_key)
     known = SHAREGPT_ROLES if sharegpt else {r: r for r in ROLES}
-    if role not in known:
+    if not isinstance(role, str) or role not in known:
         raise ref.error(f"{field}.{role_key}", f"unknown role {role!r}; expected one of {sorted(known)}")
     content = parse_string(message.get(content_key), ref, f"{field}.{content_key}")
     return {"role": known[role], "content": content}

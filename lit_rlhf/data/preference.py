@@ -40,7 +40,6 @@ class PreferenceDataModule(RLHFDataModule):
         val_fraction: float = 0.1,
         format: PreferenceFormat = "auto",
         split: str = "train",
-        val_split: str | None = None,
         max_length: int = 512,
         max_prompt_length: int = 256,
         length_policy: LengthPolicy = "truncate",
@@ -48,6 +47,7 @@ class PreferenceDataModule(RLHFDataModule):
         val_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        val_split: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         """
@@ -58,7 +58,6 @@ class PreferenceDataModule(RLHFDataModule):
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
             format: row format: "explicit", "implicit", "sharegpt", or "auto" to detect it from the columns.
             split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
-            val_split: split to load from ``val_path``; None means ``split``.
             max_length: token limit of prompt + response (each of chosen and rejected).
             max_prompt_length: token limit of the prompt (its end is kept when truncating).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
@@ -66,6 +65,7 @@ class PreferenceDataModule(RLHFDataModule):
             val_batch_size: pairs per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
+            val_split: split to load from ``val_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

@@ -30,14 +30,14 @@ class PromptDataModule(RLHFDataModule):
         train_path: str,
         val_path: str | None = None,
         val_fraction: float = 0.0,
-        split: str = "train",
-        val_split: str | None = None,
         max_prompt_length: int = 256,
         length_policy: LengthPolicy = "truncate",
         batch_size: int = 8,
         val_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        split: str = "train",
+        val_split: str | None = None,
         drop_last: bool = True,
         cache_dir: str | None = None,
     ) -> None:
@@ -47,14 +47,14 @@ class PromptDataModule(RLHFDataModule):
             train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
             val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
-            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
-            val_split: split to load from ``val_path``; None means ``split``.
             max_prompt_length: token limit of a prompt (its end is kept when truncating).
             length_policy: over-long prompts are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
             batch_size: prompts per training batch (per rank).
             val_batch_size: prompts per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
+            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            val_split: split to load from ``val_path``; None means ``split``.
             drop_last: drop the last incomplete training batch, so every rollout has ``batch_size`` prompts.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """

@@ -66,28 +66,28 @@ def render(tokenizer: PreTrainedTokenizerBase, prompt: Text, responses: Sequence
 def tokenize_rendered(
     tokenizer: PreTrainedTokenizerBase, rows: Sequence[Rendered]
 ) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Token ids of prompts and responses; every response ends with EOS (appended unless already there).
+    """Token ids of prompts and responses; returns (prompts[row], responses[row][slot]).
 
     Plain prompts get the tokenizer's own special tokens (e.g. Llama's BOS); templated ones do not, as the
-    template wrote them. Responses never get any besides EOS. Returns (prompts, responses[row][slot]).
+    template wrote them. Responses get none but EOS, appended unless the text already ends with it;
+    whitespace a template writes after a closing EOS (e.g. ``"<|im_end|>\n"``) is dropped, since a
+    response ends at its EOS (DESIGN.md) and a second EOS would be learnt otherwise.
     """
     prompts: list[list[int]] = [[] for _ in rows]
     for templated in (False, True):
         index = [i for i, r in enumerate(rows) if r.templated == templated]
         if index:
-            encoded = tokenizer([rows[i].prompt for i in index], add_special_tokens=not templated)[
-                "input_ids"
-            ]
-            for i, ids in zip(index, encoded):
+            texts = [rows[i].prompt for i in index]
+            for i, ids in zip(index, tokenizer(texts, add_special_tokens=not templated)["input_ids"]):
                 prompts[i] = ids
-    n_slots = len(rows[0].responses) if rows else 0
-    slots = [
-        tokenizer([r.responses[k] for r in rows], add_special_tokens=False)["input_ids"]
-        for k in range(n_slots)
-    ]
-    eos = tokenizer.eos_token_id
-    responses = [[ids if ids[-1:] == [eos] else [*ids, eos] for ids in row] for row in zip(*slots)]
-    return prompts, responses if n_slots else [[] for _ in rows]
+    eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
+    responses: list[list[list[int]]] = [[] for _ in rows]
+    for slot in range(len(rows[0].responses) if rows else 0):
+        texts = [r.responses[slot] for r in rows]
+        texts = [t.rstrip() if t.rstrip().endswith(eos_text) else t for t in texts]
+        for row, ids in zip(responses, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            row.append(ids if ids[-1:] == [eos] else [*ids, eos])
+    return prompts, responses
 
 
 def clip_lengths(

@@ -30,8 +30,6 @@ class SFTDataModule(RLHFDataModule):
         train_path: str,
         val_path: str | None = None,
         val_fraction: float = 0.1,
-        split: str = "train",
-        val_split: str | None = None,
         max_length: int = 512,
         max_prompt_length: int = 256,
         length_policy: LengthPolicy = "truncate",
@@ -39,6 +37,8 @@ class SFTDataModule(RLHFDataModule):
         val_batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        split: str = "train",
+        val_split: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         """
@@ -47,8 +47,6 @@ class SFTDataModule(RLHFDataModule):
             train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
             val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
-            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
-            val_split: split to load from ``val_path``; None means ``split``.
             max_length: token limit of prompt + completion.
             max_prompt_length: token limit of the prompt (its end is kept when truncating).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
@@ -56,6 +54,8 @@ class SFTDataModule(RLHFDataModule):
             val_batch_size: rows per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
+            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            val_split: split to load from ``val_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

@@ -25,6 +25,13 @@ from lit_rlhf.models import (
     reference_logits_context,
 )
 from lit_rlhf.modules.base import drop_frozen_weights
+from lit_rlhf.modules.distributed import (
+    clip_grad_norm,
+    gather_for_export,
+    generation_context,
+    shard_models,
+    unwrap,
+)
 from lit_rlhf.modules.optim import resolve_total_steps
 from lit_rlhf.modules.ppo_parts import (
     PPO_METRICS,
@@ -215,11 +222,12 @@ class PPOModule(LightningModule):
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor):
         was_training = self.actor.training
         self.actor.eval()
-        out = generate_responses(
-            self.actor, prompts, prompt_mask, self.generation,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1,
-        )  # fmt: skip
+        with generation_context(self, self.actor):
+            out = generate_responses(
+                self.actor, prompts, prompt_mask, self.generation,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1,
+            )  # fmt: skip
         self.actor.train(was_training)
         return out
 
@@ -236,7 +244,7 @@ class PPOModule(LightningModule):
             logprobs, entropy, shared_values = policy_forward(
                 self.actor, ids, mask, T, self.generation.temperature, self.value_head
             )
-            with reference_logits_context(self.actor):
+            with reference_logits_context(unwrap(self.actor)):
                 ref_model = self.reference if self.reference is not None else self.actor
                 ref_logprobs, _, _ = policy_forward(ref_model, ids, mask, T, self.generation.temperature)
             values = shared_values if self.critic is None else critic_values(self.critic, ids, mask, T)
@@ -274,9 +282,10 @@ class PPOModule(LightningModule):
                     accumulate_stats(stats, part_stats, weight)
                 skip = hp.ratio_threshold is not None and stats["ratio_mean"] > hp.ratio_threshold
                 if not skip:
-                    for opt in (actor_opt, critic_opt):
+                    critic_module = self.value_head if self.critic is None else self.critic
+                    for opt, model in ((actor_opt, self.actor), (critic_opt, critic_module)):
                         if hp.max_grad_norm is not None:
-                            self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                            clip_grad_norm(self, opt, model, hp.max_grad_norm)
                         opt.step()
                 actor_opt.zero_grad(set_to_none=True)
                 critic_opt.zero_grad(set_to_none=True)
@@ -349,6 +358,10 @@ class PPOModule(LightningModule):
 
     # ----------------------------------------------------------------------------------------------
     @override
+    def configure_model(self) -> None:
+        shard_models(self, ("actor", "critic", "value_head", "reference", "rewards.model", "monitor.model"))
+
+    @override
     def configure_optimizers(self):
         actor_opt_fn, critic_opt_fn, actor_sched_fn, critic_sched_fn = self.factories
         actor_params = [p for p in self.actor.parameters() if p.requires_grad]
@@ -406,9 +419,10 @@ class PPOModule(LightningModule):
 
     def export_pretrained(self, folder: str) -> None:
         """Write ``folder/actor`` (AutoModelForCausalLM) and ``folder/critic`` (when separate)."""
-        export_pretrained(self.actor, self.tokenizer, f"{folder}/actor")
-        if self.critic is not None:
-            export_pretrained(self.critic, self.tokenizer, f"{folder}/critic")
+        for name, model in (("actor", self.actor), ("critic", self.critic)):
+            full = None if model is None else gather_for_export(self, model)  # collective under FSDP
+            if full is not None:
+                export_pretrained(full, self.tokenizer, f"{folder}/{name}")
 
 
 def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing_extensions import override
 from lit_rlhf.functional import pairwise_reward_loss
 from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, load_tokenizer, sequence_scores
 from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
+from lit_rlhf.modules.distributed import gather_for_export, shard_models
 from lit_rlhf.modules.optim import WarmupCosineLR
 
 
@@ -107,7 +108,7 @@ class RewardModelModule(LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._step(batch, self.train_metrics)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     @override
@@ -130,6 +131,10 @@ class RewardModelModule(LightningModule):
         metrics.reset()
 
     @override
+    def configure_model(self) -> None:
+        shard_models(self, ("model",))
+
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return configure_optimizer_and_scheduler(
@@ -143,4 +148,6 @@ class RewardModelModule(LightningModule):
 
     def export_pretrained(self, folder: str) -> None:
         """Write the reward model for ``AutoModelForSequenceClassification.from_pretrained``."""
-        export_pretrained(self.model, self.tokenizer, folder)
+        full = gather_for_export(self, self.model)  # collective under FSDP; None off rank 0
+        if full is not None:
+            export_pretrained(full, self.tokenizer, folder)

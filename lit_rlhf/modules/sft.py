@@ -19,6 +19,7 @@ from lit_rlhf.models import (
     load_tokenizer,
 )
 from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
+from lit_rlhf.modules.distributed import gather_for_export, generation_context, shard_models
 from lit_rlhf.modules.optim import WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
 
@@ -108,14 +109,16 @@ class SFTModule(LightningModule):
         self.model.eval()
         for prompt in prompts:
             ids = prompt.unsqueeze(0).to(self.device)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.tokenizer.eos_token_id,
-            )
+            with generation_context(self, self.model):
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    synced_gpus=self.trainer.world_size > 1,
+                )
             rows.append(
                 (
                     self.tokenizer.decode(prompt, skip_special_tokens=True),
@@ -124,6 +127,10 @@ class SFTModule(LightningModule):
             )
         self.model.train(was_training)
         return rows
+
+    @override
+    def configure_model(self) -> None:
+        shard_models(self, ("model",))
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -139,4 +146,6 @@ class SFTModule(LightningModule):
 
     def export_pretrained(self, folder: str) -> None:
         """Write the policy (LoRA merged) and tokenizer for ``AutoModelForCausalLM.from_pretrained``."""
-        export_pretrained(self.model, self.tokenizer, folder)
+        full = gather_for_export(self, self.model)  # collective under FSDP; None off rank 0
+        if full is not None:
+            export_pretrained(full, self.tokenizer, folder)

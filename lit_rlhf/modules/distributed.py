@@ -1,0 +1,237 @@
+"""What the modules do differently under each Lightning strategy: sharding, generation, clipping, export.
+
+The strategy is chosen only through the trainer (``trainer.strategy`` in YAML); a module calls these
+helpers and they read the trainer to decide:
+
+- ``single`` / ``ddp``: nothing to wrap (Lightning's DDP wraps the whole LightningModule).
+- ``fsdp2`` (``ModelParallelStrategy``): ``fully_shard`` on every transformer block, then on each model,
+  applied in ``configure_model`` over the data-parallel mesh (torch FSDP2 docs; Lightning's
+  "model parallel" guide).
+- ``fsdp1`` (``strategy: fsdp``): each model wraps itself in ``FullyShardedDataParallel`` with
+  ``use_orig_params=True`` and an auto-wrap policy on its block classes. Lightning's default root
+  wrapping breaks ``manual_backward`` of a manual-optimisation module (Lightning #19626, #19685); a
+  module that already holds FSDP units is left unwrapped by the strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
+from torch import nn
+
+from lit_rlhf.models import ModelSpec
+from lit_rlhf.rollout import GenerationSettings
+
+StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2"]
+
+# Checkpoints hold the modules' hyperparameters, which include these dataclasses; resuming under
+# torch.load(weights_only=True) (the default since torch 2.6) refuses unknown classes otherwise.
+torch.serialization.add_safe_globals([ModelSpec, GenerationSettings])
+
+
+def strategy_kind(trainer: Trainer | None) -> StrategyKind:
+    """How the trainer distributes the module (``single`` when there is no trainer yet)."""
+    strategy = None if trainer is None else trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp2"
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp1"
+    if isinstance(strategy, ParallelStrategy) and trainer.world_size > 1:
+        return "ddp"
+    return "single"
+
+
+def _trainer(module: LightningModule) -> Trainer | None:
+    return module._trainer
+
+
+def block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The transformer-block classes of an HF model (plain or peft): its ``_no_split_modules``."""
+    names: set[str] = set()
+    for sub in model.modules():
+        names |= set(getattr(sub, "_no_split_modules", None) or ())
+    return {type(sub) for sub in model.modules() if type(sub).__name__ in names}
+
+
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    obj = module
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _set(module: nn.Module, path: str, value: nn.Module) -> None:
+    *parents, name = path.split(".")
+    owner = module
+    for parent in parents:
+        owner = getattr(owner, parent)
+    setattr(owner, name, value)
+
+
+def shard_models(module: LightningModule, paths: Iterable[str]) -> None:
+    """Shard the models found at the dotted attribute ``paths`` of ``module`` (missing/None ones skipped).
+
+    Call it from ``configure_model``; it is a no-op outside FSDP strategies and for models that are
+    already sharded (``configure_model`` may run once per trainer entry point). Frozen models are
+    sharded too: they have no optimiser state but their weights are the bulk of the memory.
+    """
+    kind = strategy_kind(_trainer(module))
+    if kind not in ("fsdp1", "fsdp2"):
+        return
+    for path in paths:
+        model = _get(module, path)
+        if model is None:
+            continue
+        if kind == "fsdp2":
+            _fully_shard(model, _data_parallel_mesh(module))
+        else:
+            _set(module, path, _fsdp1_wrap(model, module.trainer.strategy))
+
+
+def _data_parallel_mesh(module: LightningModule):
+    mesh = module.device_mesh
+    if mesh["tensor_parallel"].size() != 1:
+        raise ValueError(
+            "lit_rlhf shards with FSDP only: use ModelParallelStrategy(data_parallel_size=<world size>, "
+            f"tensor_parallel_size=1); got tensor_parallel_size={mesh['tensor_parallel'].size()}"
+        )
+    return mesh["data_parallel"]
+
+
+def _fully_shard(model: nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    if isinstance(model, FSDPModule):
+        return
+    blocks = block_classes(model)
+    for sub in list(model.modules()):
+        if type(sub) in blocks:
+            fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if hasattr(model, "generate"):
+        # A peft model's generate() does not go through its own forward, so the root's unshard hook
+        # would never run; registering generate as a forward method adds the hooks around it.
+        register_fsdp_forward_method(model, "generate")
+
+
+def _fsdp1_wrap(model: nn.Module, strategy: FSDPStrategy) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if isinstance(model, FSDP):
+        return model
+    blocks = block_classes(model)
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(blocks) if blocks else None,
+        # mixed trainable/frozen parameters in one unit (LoRA) and optimisers built on the original
+        # parameters need use_orig_params
+        use_orig_params=True,
+        sharding_strategy=strategy.sharding_strategy,
+        cpu_offload=strategy.cpu_offload,
+        mixed_precision=strategy.mixed_precision_config,
+        device_id=strategy.root_device,
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside an FSDP1 wrapper (FSDP2 and DDP leave the model's own class in place)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return model.module if isinstance(model, FSDP) else model
+
+
+@contextmanager
+def generation_context(module: LightningModule, model: nn.Module) -> Iterator[None]:
+    """Make ``model.generate`` work (and be fast) under the module's strategy.
+
+    FSDP1 generates inside ``summon_full_params(writeback=False)`` (its units cannot run the many
+    small decode forwards otherwise). FSDP2 keeps the gathered parameters for the whole generation
+    instead of all-gathering them again for every decoded token, then frees them. Under both, ranks
+    whose prompts stop at different lengths must keep stepping together: pass ``synced_gpus=True``
+    to ``generate`` whenever ``trainer.world_size > 1``.
+    """
+    kind = strategy_kind(_trainer(module))
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+            yield
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True, recurse=False)
+    else:
+        yield
+
+
+def clip_grad_norm(
+    module: LightningModule, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float
+) -> None:
+    """Clip the gradient norm of ``optimizer``'s parameters (all of them belonging to ``model``).
+
+    FSDP1 needs the wrapped model's own ``clip_grad_norm_`` (the norm spans every rank's shards;
+    Lightning refuses ``clip_gradients(norm)`` under FSDP1 precision). Elsewhere Lightning's
+    ``clip_gradients`` is used so mixed-precision unscaling stays in Lightning's hands; under FSDP2
+    the gradients are DTensors and ``clip_grad_norm_`` reduces their norm across ranks.
+    """
+    if strategy_kind(_trainer(module)) == "fsdp1":
+        model.clip_grad_norm_(max_norm)
+    else:
+        module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+
+def gather_for_export(module: LightningModule, model: nn.Module) -> nn.Module | None:
+    """An unsharded copy of ``model`` on rank 0 (None on the other ranks) for ``save_pretrained``.
+
+    Collective under FSDP: every rank must call it. The full state dict is gathered to CPU and loaded
+    into a model of the same class (and peft adapters) built on the meta device, so rank 0 never holds
+    two initialised copies.
+    """
+    trainer = _trainer(module)
+    kind = strategy_kind(trainer)
+    is_zero = trainer is None or trainer.is_global_zero
+    if kind not in ("fsdp1", "fsdp2"):
+        return model if is_zero else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_zero:
+        return None
+    fresh = _empty_like(unwrap(model), next(t.dtype for t in state.values() if t.is_floating_point()))
+    fresh.load_state_dict(state)
+    return fresh
+
+
+def _original_class(model: nn.Module) -> type[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard swaps the class for a generated FSDP subclass; build the user's class instead
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _empty_like(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    from peft import PeftModel, get_peft_model
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    with torch.device("meta"):
+        fresh = _original_class(base)._from_config(base.config, dtype=dtype)
+        if isinstance(model, PeftModel):
+            fresh = get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+    return fresh.to_empty(device="cpu")

@@ -1,0 +1,196 @@
+"""Shared pieces of the lit_rlhf-vs-TRL benchmarks: settings, assets, the phase timeline, results.
+
+This module must import in both environments (lit_rlhf's ``.venv`` and the TRL venv made by
+``setup.sh``), so it imports neither lit_rlhf nor trl at module level. Only :func:`build_assets` needs
+lit_rlhf (its tokenizer trainer) and runs in the driver, in lit_rlhf's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+# PPO settings of issue 7, identical for both libraries.
+PPO = dict(
+    batch=16,  # prompts per rollout
+    prompt_len=16,  # every prompt has exactly this many tokens: no padding, identical shapes for both
+    response_len=32,  # no early stop: EOS and pad are made impossible for both (see build_assets)
+    ppo_epochs=4,
+    num_minibatches=2,
+    forward_batch_size=16,  # rollout forwards and update micro-batches (TRL: local_rollout_forward_batch_size)
+    temperature=0.7,  # TRL's default
+    lr=3e-6,  # TRL's default; constant schedule, no weight decay for both
+    kl_coef=0.05,
+    clip_coef=0.2,
+    clip_coef_value=0.2,
+    vf_coef=0.1,  # TRL's default
+    gamma=1.0,
+    gae_lambda=0.95,
+)
+# Random-init Llama-style models: "small" is the issue's ~4.7M-parameter model, "large" (~26M) the
+# >= 20M-parameter case of the FLOP-utilisation figure.
+LLAMA = {
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
+    "large": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8),
+}
+VOCAB = 1000
+# Reward-model benchmark: hidden-64, 2-layer GPT-2 on fixed-length pairs (same padding in any order).
+GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+RM = dict(pairs_per_batch=8, prompt_len=16, chosen_len=24, rejected_len=20, n_pairs=1024, lr=1e-4, max_grad_norm=1.0)
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of every benchmark subprocess: equal thread counts, nothing online."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def emit(result: dict) -> None:
+    """Print the run's result as one prefixed JSON line for the driver."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+class Timeline:
+    """Timestamps of one PPO run: ``start``, then per rollout ``gen_start``, ``gen_end``, ``upd_start``,
+    ``iter_end``. Phases: generation = gen_start..gen_end, scoring = gen_end..upd_start (reward, value,
+    reference forwards, GAE), update = upd_start..iter_end (PPO epochs and the step's logging), other = the
+    rest of the rollout (data loading, loop overhead, TRL's gc.collect()); total = iter_end..iter_end."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+        self._update_open = False
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+        if name == "gen_end":
+            self._update_open = True
+
+    def mark_update_start(self) -> None:
+        """Mark ``upd_start`` at the first call after generation only (TRL's forward is called often)."""
+        if self._update_open:
+            self._update_open = False
+            self.mark("upd_start")
+
+    def rollouts(self) -> list[dict[str, float]]:
+        out, cur, prev_end = [], {}, None
+        for name, t in self.marks:
+            if name == "start":
+                prev_end = t
+            elif name == "iter_end":
+                row = dict(
+                    generation=cur["gen_end"] - cur["gen_start"],
+                    scoring=cur["upd_start"] - cur["gen_end"],
+                    update=t - cur["upd_start"],
+                    total=t - prev_end,
+                )
+                row["other"] = row["total"] - row["generation"] - row["scoring"] - row["update"]
+                out.append(row)
+                cur, prev_end = {}, t
+            else:
+                cur[name] = t
+        return out
+
+
+def build_assets(folder: Path, models: tuple[str, ...] = ("small", "large")) -> None:
+    """Tokenizer, initial weights and data shared by both libraries, written once with save_pretrained.
+
+    Generation settings that make EOS and pad impossible for both libraries live in each actor's
+    ``generation_config.json``: ``suppress_tokens=[pad, eos]`` (TRL takes it from the model's config;
+    lit_rlhf passes its own ``suppress_tokens=[pad]``) and ``min_new_tokens=response_len`` (lit_rlhf's
+    EOS stop is masked for the whole response). Every response is then exactly ``response_len`` tokens.
+    """
+    import torch
+    from transformers import (
+        GenerationConfig,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+    )
+
+    from lit_rlhf.models.tokenizer import train_bpe_tokenizer
+
+    rng = random.Random(0)
+    syllables = "ka lo mi ne ru ta shi po an el or us ix be do fa gu he ji ko la mo nu pa qi ra se ti vu wo ya ze"
+    syllables = syllables.split()
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(12, 40))) for _ in range(4000)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=VOCAB)
+    assert len(tokenizer) == VOCAB, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB}"
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    tokenizer.save_pretrained(folder / "tokenizer")
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    ids = [row for row in ids if len(row) >= 64]
+    special = dict(pad_token_id=pad, eos_token_id=eos, bos_token_id=eos, vocab_size=VOCAB)
+
+    def save(model: torch.nn.Module, path: Path) -> None:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    for name in models:
+        fields = dict(**LLAMA[name], max_position_embeddings=128, tie_word_embeddings=False, **special)
+        torch.manual_seed(0)
+        actor = LlamaForCausalLM(LlamaConfig(**fields))
+        actor.generation_config = GenerationConfig(
+            min_new_tokens=PPO["response_len"], suppress_tokens=[pad, eos], **special
+        )
+        save(actor, folder / name / "actor")
+        torch.manual_seed(1)
+        save(LlamaForSequenceClassification(LlamaConfig(**fields, num_labels=1)), folder / name / "reward")
+    prompts = [row[: PPO["prompt_len"]] for row in ids]
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+
+    torch.manual_seed(2)
+    gpt2 = GPT2ForSequenceClassification(GPT2Config(**GPT2, num_labels=1, **special))
+    save(gpt2, folder / "rm_gpt2")
+    pairs = []
+    for _ in range(RM["n_pairs"]):
+        row = rng.choice(ids)
+        start = rng.randrange(0, len(row) - RM["prompt_len"] - RM["chosen_len"])
+        prompt = row[start : start + RM["prompt_len"]]
+        other = rng.choice(ids)
+        pairs.append(
+            dict(
+                prompt=prompt,
+                chosen=row[start + RM["prompt_len"] : start + RM["prompt_len"] + RM["chosen_len"]] + [eos],
+                rejected=other[: RM["rejected_len"]] + [eos],
+            )
+        )
+    (folder / "pairs.json").write_text(json.dumps(pairs))
+
+
+def load_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,237 @@
+"""One PPO benchmark run of lit_rlhf or TRL (one process per run, so peak RSS is the run's own).
+
+    python scripts/bench/ppo_bench.py --impl lit|trl --assets DIR [--model small|large] [--rollouts 5]
+        [--warmup 1] [--threads 1] [--count-flops] [--profile FILE]
+
+Prints one ``BENCH_RESULT {json}`` line: per-rollout phase times (generation / scoring / update /
+other / total, see common.Timeline), peak RSS, and with --count-flops the update phase's FLOPs counted
+by torch.utils.flop_counter.FlopCounterMode on the first (warm-up) rollout. The first ``--warmup``
+rollouts are reported but excluded from the driver's statistics. Settings: common.PPO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PPO, Timeline, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
+
+
+def prompt_rows(assets: Path, n: int) -> list[list[int]]:
+    prompts = load_json(assets / "prompts.json")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def count_flops(fn, sink: list[int]):
+    """Run ``fn`` under FlopCounterMode and append the counted FLOPs (forward and backward) to ``sink``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        out = fn()
+    sink.append(counter.get_total_flops())
+    return out
+
+
+def run_lit(args, timeline: Timeline, flops: list[int]):
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.modules import PPOModule
+    from lit_rlhf.rollout import GenerationSettings
+
+    class TimedPPO(PPOModule):
+        def generate(self, prompts, prompt_mask):
+            timeline.mark("gen_start")
+            out = super().generate(prompts, prompt_mask)
+            timeline.mark("gen_end")
+            return out
+
+        def ppo_epochs(self):
+            timeline.mark("upd_start")
+            if args.count_flops and not flops:
+                return count_flops(super().ppo_epochs, flops)
+            return super().ppo_epochs()
+
+    class Marks(Callback):
+        def on_train_start(self, trainer, module):
+            timeline.mark("start")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            timeline.mark("iter_end")
+
+    models = Path(args.assets) / args.model
+    adamw = functools.partial(torch.optim.AdamW, lr=PPO["lr"], weight_decay=0.0)
+    module = TimedPPO(
+        actor=ModelSpec(name_or_path=str(models / "actor")),
+        reward_model=ModelSpec(name_or_path=str(models / "reward")),
+        critic=ModelSpec(name_or_path=str(models / "reward")),
+        generation=GenerationSettings(max_new_tokens=PPO["response_len"], temperature=PPO["temperature"]),
+        ppo_epochs=PPO["ppo_epochs"],
+        num_minibatches=PPO["num_minibatches"],
+        forward_batch_size=PPO["forward_batch_size"],
+        clip_coef=PPO["clip_coef"],
+        clip_coef_value=PPO["clip_coef_value"],
+        vf_coef=PPO["vf_coef"],
+        gamma=PPO["gamma"],
+        gae_lambda=PPO["gae_lambda"],
+        kl_coef=PPO["kl_coef"],
+        # TRL's PPOTrainer neither clips gradients nor skips minibatches: same work here.
+        max_grad_norm=None,
+        ratio_threshold=None,
+        max_rollouts=args.rollouts,
+        log_samples_every=0,
+        actor_optimizer=adamw,
+        critic_optimizer=adamw,
+    )
+    rows = [
+        {"input_ids": torch.tensor(p), "attention_mask": torch.ones(len(p), dtype=torch.long)}
+        for p in prompt_rows(Path(args.assets), PPO["batch"] * args.rollouts)
+    ]
+    loader = torch.utils.data.DataLoader(rows, batch_size=PPO["batch"])
+    with tempfile.TemporaryDirectory() as root:
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            max_epochs=1,
+            default_root_dir=root,
+            callbacks=[Marks()],
+        )
+        trainer.fit(module, loader)
+    return sum(p.numel() for p in module.actor.parameters())
+
+
+def run_trl(args, timeline: Timeline, flops: list[int]):
+    import torch
+    import trl.experimental.ppo.ppo_trainer as ppo_trainer
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    if args.count_flops:
+        raise SystemExit("--count-flops is implemented for lit_rlhf only")
+    generate = ppo_trainer.batch_generation
+    forward = ppo_trainer.forward
+
+    def timed_generation(*a, **k):
+        timeline.mark("gen_start")
+        out = generate(*a, **k)
+        timeline.mark("gen_end")
+        return out
+
+    def timed_forward(model, *a, **k):
+        # The rollout calls forward() on the reference; the update on the policy+value wrapper.
+        if hasattr(model, "value_model"):
+            timeline.mark_update_start()
+        return forward(model, *a, **k)
+
+    ppo_trainer.batch_generation, ppo_trainer.forward = timed_generation, timed_forward
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            timeline.mark("start")
+
+        def on_step_end(self, *a, **k):
+            timeline.mark("iter_end")
+
+    models = Path(args.assets) / args.model
+    tokenizer = AutoTokenizer.from_pretrained(models / "actor", padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(models / "reward", num_labels=1, dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(models / "reward", num_labels=1, dtype=torch.float32)
+    data = Dataset.from_dict({"input_ids": prompt_rows(Path(args.assets), PPO["batch"] * args.rollouts)})
+    with tempfile.TemporaryDirectory() as root:
+        config = PPOConfig(
+            output_dir=root,
+            per_device_train_batch_size=PPO["batch"],  # x gradient_accumulation_steps = prompts per rollout
+            gradient_accumulation_steps=1,
+            num_mini_batches=PPO["num_minibatches"],
+            num_ppo_epochs=PPO["ppo_epochs"],
+            local_rollout_forward_batch_size=PPO["forward_batch_size"],
+            response_length=PPO["response_len"],
+            stop_token=None,
+            temperature=PPO["temperature"],
+            learning_rate=PPO["lr"],
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            kl_coef=PPO["kl_coef"],
+            kl_estimator="k1",
+            cliprange=PPO["clip_coef"],
+            cliprange_value=PPO["clip_coef_value"],
+            vf_coef=PPO["vf_coef"],
+            gamma=PPO["gamma"],
+            lam=PPO["gae_lambda"],
+            total_episodes=PPO["batch"] * args.rollouts,
+            num_sample_generations=0,
+            # PPOConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
+            bf16=False,
+            gradient_checkpointing=False,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+        )
+        trainer = PPOTrainer(
+            args=config,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=ref,
+            reward_model=reward,
+            value_model=value,
+            train_dataset=data,
+            eval_dataset=data,
+            callbacks=[Marks()],
+        )
+        trainer.train()
+    return sum(p.numel() for p in policy.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
+    parser.add_argument("--assets", required=True)
+    parser.add_argument("--model", choices=["small", "large"], default="small")
+    parser.add_argument("--rollouts", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--count-flops", action="store_true")
+    parser.add_argument("--profile", help="write a torch.profiler op table of the last rollout to this file")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    import torch
+
+    torch.manual_seed(0)
+    timeline, flops = Timeline(), []
+    run = run_lit if args.impl == "lit" else run_trl
+    if args.profile:
+        from profile_ppo import profiled
+
+        params = profiled(run, args, timeline, flops)
+    else:
+        params = run(args, timeline, flops)
+    emit(
+        dict(
+            impl=args.impl,
+            model=args.model,
+            threads=torch.get_num_threads(),
+            actor_params=params,
+            tokens_per_rollout=PPO["batch"] * PPO["response_len"],
+            rollouts=timeline.rollouts(),
+            update_flops=flops[0] if flops else None,
+            peak_rss_mb=peak_rss_mb(),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""One process of the multi-process strategy tests (run under ``torch.distributed.run`` or alone).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py \
+        --strategy fsdp2 --tokenizer TOK_DIR --out OUT_DIR
+    python tests/distributed_worker.py --strategy single --tokenizer TOK_DIR --out OUT_DIR
+
+Runs a reward-model fit, PPO fits (full fine-tuning with a separate critic; LoRA with a shared
+backbone) and, under ``--resume``, PPO saved after one rollout and resumed. Every run uses the same
+global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
+the first rollout's greedy responses (keyed by prompt) and the wall time per rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))  # ppo_rewards, ppo_helpers, conftest
+
+from conftest import llama_config  # noqa: E402
+from ppo_helpers import PROMPTS, adamw  # noqa: E402
+
+from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
+from lit_rlhf.modules import PPOModule, RewardModelModule  # noqa: E402
+from lit_rlhf.rollout import GenerationSettings  # noqa: E402
+
+GLOBAL_BATCH = 8
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """``strategy="fsdp"`` on CPU for tests: Lightning only refuses a CPU accelerator for the exact
+    ``FSDPStrategy`` class; the modules wrap their models themselves, so nothing else differs."""
+
+
+def make_strategy(name: str):
+    if name == "ddp":
+        return DDPStrategy(find_unused_parameters=True, process_group_backend="gloo")
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+    if name == "fsdp1":
+        return CPUFSDPStrategy(process_group_backend="gloo")
+    return "auto"
+
+
+def make_trainer(args, run: str, **kwargs) -> Trainer:
+    world = 1 if args.strategy == "single" else 2
+    return Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=make_strategy(args.strategy),
+        logger=CSVLogger(args.out, name=run, version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,  # see loader()
+        **kwargs,
+    )
+
+
+def read_csv(out: str, run: str) -> list[dict[str, float]]:
+    with open(Path(out) / run / "version_0" / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+
+def loader(args, rows: list, **kwargs) -> torch.utils.data.DataLoader:
+    """A loader of the per-rank share of a global batch of ``GLOBAL_BATCH`` rows, in a fixed order.
+
+    Lightning's automatic sampler for training shuffles; an unshuffled DistributedSampler gives rank r
+    rows r, r+2, ..., so each global batch holds the same rows as the single process's batch.
+    """
+    if args.strategy == "single":
+        return torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH, **kwargs)
+    sampler = torch.utils.data.DistributedSampler(rows, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
+    return torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH // 2, sampler=sampler, **kwargs)
+
+
+# -- reward model ------------------------------------------------------------------------------------
+def preference_loader(args, tok) -> torch.utils.data.DataLoader:
+    """24 fixed pairs: 'X good' preferred to 'X bad'; (2B, L) batches, chosen rows first."""
+    pairs = [(f"{PROMPTS[i % 8]} good", f"{PROMPTS[i % 8]} {'bad' if i % 3 else 'awful'}") for i in range(24)]
+    enc = [[tok(t)["input_ids"] + [tok.eos_token_id] for t in pair] for pair in pairs]
+    width = max(len(e) for pair in enc for e in pair)
+
+    def pad(ids):  # right padding: scores are read at the last real token
+        return torch.tensor(ids + [tok.pad_token_id] * (width - len(ids))), torch.tensor(
+            [1] * len(ids) + [0] * (width - len(ids))
+        )
+
+    rows = [dict(zip(("c_ids", "c_mask", "r_ids", "r_mask"), (*pad(c), *pad(r)))) for c, r in enc]
+
+    def collate(batch):
+        return {
+            "input_ids": torch.cat([torch.stack([b["c_ids"] for b in batch]), torch.stack([b["r_ids"] for b in batch])]),
+            "attention_mask": torch.cat(
+                [torch.stack([b["c_mask"] for b in batch]), torch.stack([b["r_mask"] for b in batch])]
+            ),
+        }
+
+    return loader(args, rows, collate_fn=collate)
+
+
+def run_rm(args, tok) -> dict:
+    seed_everything(0)
+    module = RewardModelModule(
+        ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0), optimizer=adamw(1e-2), scheduler=None
+    )
+    make_trainer(args, "rm", max_steps=3).fit(module, preference_loader(args, tok))
+    return {"loss": [r["train/loss"] for r in read_csv(args.out, "rm") if "train/loss" in r]}
+
+
+# -- PPO ---------------------------------------------------------------------------------------------
+def prompt_loader(args, tok) -> torch.utils.data.DataLoader:
+    enc = [tok(p)["input_ids"] for p in PROMPTS]
+    width = max(map(len, enc))
+    rows = [
+        {
+            "input_ids": torch.tensor([tok.pad_token_id] * (width - len(e)) + e),
+            "attention_mask": torch.tensor([0] * (width - len(e)) + [1] * len(e)),
+        }
+        for e in enc
+    ]
+    return loader(args, rows)
+
+
+class RecordingPPO(PPOModule):
+    """Keeps the first rollout's (prompt, response) token ids."""
+
+    def generate(self, prompts, prompt_mask):
+        out = super().generate(prompts, prompt_mask)
+        if not hasattr(self, "first_responses"):
+            self.first_responses = [
+                (p[m.bool()].tolist(), r[rm].tolist()) for p, m, r, rm in zip(prompts, prompt_mask, out[0], out[1])
+            ]
+        return out
+
+
+class Timer(Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def ppo_module(args, lora: bool) -> RecordingPPO:
+    # Greedy (top_k=1) rollouts make responses independent of how prompts are split across ranks.
+    # Whitening and token-mean losses are per rank, so runs match the single process exactly when
+    # every response has the full length T (asserted by the test) and advantages are not whitened.
+    lora_cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    return RecordingPPO(
+        actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0, lora=lora_cfg),
+        reward_fn="ppo_rewards:e_rate",
+        share_critic_backbone=lora,
+        generation=GenerationSettings(max_new_tokens=6, top_k=1),
+        ppo_epochs=2,
+        num_minibatches=1,
+        forward_batch_size=4,
+        whiten_advantages=False,
+        log_samples_every=0,
+        actor_optimizer=adamw(1e-2),
+        critic_optimizer=adamw(1e-2),
+    )
+
+
+def gather_responses(module: RecordingPPO) -> dict[str, list[int]]:
+    rows = module.first_responses
+    if dist.is_initialized():
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, rows)
+        rows = [row for part in parts for row in part]
+    return {" ".join(map(str, p)): r for p, r in rows}
+
+
+PPO_KEYS = ("ppo/policy_loss", "ppo/value_loss", "rollout/score", "rollout/kl_ref", "rollout/response_length")
+
+
+def ppo_rows(args, run: str) -> dict[str, list[float]]:
+    rows = [r for r in read_csv(args.out, run) if "ppo/policy_loss" in r]
+    return {key: [r[key] for r in rows] for key in PPO_KEYS}
+
+
+def run_ppo(args, tok, run: str, lora: bool) -> dict:
+    seed_everything(0)
+    module, timer = ppo_module(args, lora), Timer()
+    make_trainer(args, run, max_epochs=3, callbacks=[timer]).fit(module, prompt_loader(args, tok))
+    module.export_pretrained(str(Path(args.out) / f"{run}_export"))
+    return {"metrics": ppo_rows(args, run), "responses": gather_responses(module), "seconds": timer.times}
+
+
+def run_resume(args, tok) -> dict:
+    """One rollout, a (sharded under FSDP2) checkpoint, then a new process state resumed to three."""
+    ckpt = str(Path(args.out) / "resume.ckpt")
+    seed_everything(0)
+    module = ppo_module(args, lora=False)
+    trainer = make_trainer(args, "resume_a", max_epochs=1)
+    trainer.fit(module, prompt_loader(args, tok))
+    trainer.save_checkpoint(ckpt)
+    seed_everything(0)
+    module = ppo_module(args, lora=False)
+    make_trainer(args, "resume_b", max_epochs=3).fit(module, prompt_loader(args, tok), ckpt_path=ckpt)
+    return {"first": ppo_rows(args, "resume_a"), "rest": ppo_rows(args, "resume_b"), "sharded": Path(ckpt).is_dir()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2", "fsdp1"], required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tok = load_tokenizer(args.tokenizer)
+    results = {
+        "rm": run_rm(args, tok),
+        "ppo": run_ppo(args, tok, "ppo", lora=False),
+        "ppo_lora": run_ppo(args, tok, "ppo_lora", lora=True),
+    }
+    if args.resume:
+        results["resume"] = run_resume(args, tok)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (Path(args.out) / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
