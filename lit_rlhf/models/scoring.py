@@ -109,10 +109,16 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     try:
-        model(**_forward_kwargs(input_ids, attention_mask))
+        out = model(**_forward_kwargs(input_ids, attention_mask))
     finally:
         handle.remove()
     values = captured[-1]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel) and torch.is_grad_enabled():
+        # FSDP1 runs the root's pre-backward hook only for gradients that flow through the root's
+        # outputs; a zero-weighted use of the returned logits routes one without changing the values.
+        values = values + 0.0 * out.logits.sum()
     if values.shape[-1] != 1:
         raise ValueError(
             f"token_values: the score head has {values.shape[-1]} outputs, expected 1 (num_labels=1)"

@@ -37,7 +37,8 @@ def trainable_state_dict_keys(model: torch.nn.Module, prefix: str) -> set[str]:
     """
     keys = {f"{prefix}{name}" for name, p in model.named_parameters() if p.requires_grad}
     keys |= {f"{prefix}{name}" for name, _ in model.named_buffers()}
-    return keys
+    # FSDP1 wrappers appear in parameter names but not in (their own, cleaned) state-dict keys
+    return {key.replace("_fsdp_wrapped_module.", "") for key in keys}
 
 
 def drop_frozen_weights(checkpoint: dict[str, Any], model: torch.nn.Module, prefix: str) -> None:

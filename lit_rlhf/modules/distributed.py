@@ -168,15 +168,16 @@ def generation_context(module: LightningModule, model: nn.Module) -> Iterator[No
     elif kind == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
 
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        # the root already keeps its parameters after forward (FSDP2's default for a root)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
         try:
             yield
         finally:
             for unit in units:
-                unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)
+                unit.reshard()
     else:
         yield
 
@@ -211,7 +212,9 @@ def gather_for_export(module: LightningModule, model: nn.Module) -> nn.Module | 
         return model if is_zero else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # offloading to the CPU what already lives there segfaults FSDP1 (torch 2.13); it is a no-op anyway
+    offload = module.device.type != "cpu"
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     if not is_zero:
         return None
     fresh = _empty_like(unwrap(model), next(t.dtype for t in state.values() if t.is_floating_point()))
@@ -235,3 +238,17 @@ def _empty_like(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         if isinstance(model, PeftModel):
             fresh = get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
     return fresh.to_empty(device="cpu")
+
+
+def is_sharded_checkpoint(module: LightningModule) -> bool:
+    """True when the trainer saves a sharded (torch.distributed.checkpoint) checkpoint.
+
+    Lightning loads those with the module's full state dict as the template, and a key missing from
+    the files is an error even with ``strict_loading=False``; frozen weights must then stay in the
+    checkpoint (each rank writes only its shard of them).
+    """
+    trainer = _trainer(module)
+    kind = strategy_kind(trainer)
+    if kind == "fsdp2":
+        return trainer.strategy._save_distributed_checkpoint
+    return kind == "fsdp1" and trainer.strategy._state_dict_type == "sharded"

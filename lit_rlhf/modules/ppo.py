@@ -29,6 +29,7 @@ from lit_rlhf.modules.distributed import (
     clip_grad_norm,
     gather_for_export,
     generation_context,
+    is_sharded_checkpoint,
     shard_models,
     unwrap,
 )
@@ -384,11 +385,12 @@ class PPOModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        for prefix in ("reference.", "rewards."):
-            for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
-                del checkpoint["state_dict"][key]
-        if self.hparams.actor.lora is not None:
-            drop_frozen_weights(checkpoint, self.actor, "actor.")
+        if not is_sharded_checkpoint(self):  # a sharded checkpoint must hold every key (see there)
+            for prefix in ("reference.", "rewards."):
+                for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
+                    del checkpoint["state_dict"][key]
+            if self.hparams.actor.lora is not None:
+                drop_frozen_weights(checkpoint, self.actor, "actor.")
         checkpoint["ppo_state"] = {
             "kl_ctl": self.kl_ctl.state_dict(),
             "beta_ctl": self.beta_ctl.state_dict(),

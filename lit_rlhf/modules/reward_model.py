@@ -13,7 +13,7 @@ from typing_extensions import override
 from lit_rlhf.functional import pairwise_reward_loss
 from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, load_tokenizer, sequence_scores
 from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
-from lit_rlhf.modules.distributed import gather_for_export, shard_models
+from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, shard_models
 from lit_rlhf.modules.optim import WarmupCosineLR
 
 
@@ -143,7 +143,7 @@ class RewardModelModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.spec.lora is not None:
+        if self.spec.lora is not None and not is_sharded_checkpoint(self):
             drop_frozen_weights(checkpoint, self.model, "model.")
 
     def export_pretrained(self, folder: str) -> None:

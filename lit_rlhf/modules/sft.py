@@ -19,7 +19,12 @@ from lit_rlhf.models import (
     load_tokenizer,
 )
 from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
-from lit_rlhf.modules.distributed import gather_for_export, generation_context, shard_models
+from lit_rlhf.modules.distributed import (
+    gather_for_export,
+    generation_context,
+    is_sharded_checkpoint,
+    shard_models,
+)
 from lit_rlhf.modules.optim import WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
 
@@ -141,7 +146,7 @@ class SFTModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.spec.lora is not None:
+        if self.spec.lora is not None and not is_sharded_checkpoint(self):
             drop_frozen_weights(checkpoint, self.model, "model.")
 
     def export_pretrained(self, folder: str) -> None:

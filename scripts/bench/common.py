@@ -82,14 +82,18 @@ class Timeline:
     """Timestamps of one PPO run: ``start``, then per rollout ``gen_start``, ``gen_end``, ``upd_start``,
     ``iter_end``. Phases: generation = gen_start..gen_end, scoring = gen_end..upd_start (reward, value,
     reference forwards, GAE), update = upd_start..iter_end (PPO epochs and the step's logging), other = the
-    rest of the rollout (data loading, loop overhead, TRL's gc.collect()); total = iter_end..iter_end."""
+    rest of the rollout (data loading, loop overhead, TRL's gc.collect()); total = iter_end..iter_end.
+
+    Each mark records wall time and this process's CPU time: on a machine shared with other jobs the
+    CPU time (``cpu_*`` keys) is the contention-robust measure of the work, the wall time the one users see.
+    """
 
     def __init__(self) -> None:
-        self.marks: list[tuple[str, float]] = []
+        self.marks: list[tuple[str, float, float]] = []
         self._update_open = False
 
     def mark(self, name: str) -> None:
-        self.marks.append((name, time.perf_counter()))
+        self.marks.append((name, time.perf_counter(), time.process_time()))
         if name == "gen_end":
             self._update_open = True
 
@@ -100,23 +104,38 @@ class Timeline:
             self.mark("upd_start")
 
     def rollouts(self) -> list[dict[str, float]]:
-        out, cur, prev_end = [], {}, None
-        for name, t in self.marks:
+        out, cur, prev = [], {}, None
+        for name, *now in self.marks:
             if name == "start":
-                prev_end = t
+                prev = now
             elif name == "iter_end":
-                row = dict(
-                    generation=cur["gen_end"] - cur["gen_start"],
-                    scoring=cur["upd_start"] - cur["gen_end"],
-                    update=t - cur["upd_start"],
-                    total=t - prev_end,
-                )
-                row["other"] = row["total"] - row["generation"] - row["scoring"] - row["update"]
+                row = {}
+                for i, prefix in enumerate(("", "cpu_")):
+                    phases = dict(
+                        generation=cur["gen_end"][i] - cur["gen_start"][i],
+                        scoring=cur["upd_start"][i] - cur["gen_end"][i],
+                        update=now[i] - cur["upd_start"][i],
+                        total=now[i] - prev[i],
+                    )
+                    phases["other"] = phases["total"] - phases["generation"] - phases["scoring"] - phases["update"]
+                    row.update({prefix + k: v for k, v in phases.items()})
                 out.append(row)
-                cur, prev_end = {}, t
+                cur, prev = {}, now
             else:
-                cur[name] = t
+                cur[name] = now
         return out
+
+
+class StepClock:
+    """Wall and CPU time at the end of each optimiser step (reward-model benchmark)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
 
 def build_assets(folder: Path, models: tuple[str, ...] = ("small", "large")) -> None:

@@ -106,14 +106,23 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
             callbacks=[Marks()],
         )
         trainer.fit(module, loader)
-    return sum(p.numel() for p in module.actor.parameters())
+    return n_params(module.actor), n_params(module.critic)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def run_trl(args, timeline: Timeline, flops: list[int]):
     import torch
     import trl.experimental.ppo.ppo_trainer as ppo_trainer
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     if args.count_flops:
@@ -194,7 +203,7 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
             callbacks=[Marks()],
         )
         trainer.train()
-    return sum(p.numel() for p in policy.parameters())
+    return n_params(policy), n_params(value)
 
 
 def main() -> None:
@@ -216,15 +225,16 @@ def main() -> None:
     if args.profile:
         from profile_ppo import profiled
 
-        params = profiled(run, args, timeline, flops)
+        actor_params, critic_params = profiled(run, args, timeline, flops)
     else:
-        params = run(args, timeline, flops)
+        actor_params, critic_params = run(args, timeline, flops)
     emit(
         dict(
             impl=args.impl,
             model=args.model,
             threads=torch.get_num_threads(),
-            actor_params=params,
+            actor_params=actor_params,
+            critic_params=critic_params,
             tokens_per_rollout=PPO["batch"] * PPO["response_len"],
             rollouts=timeline.rollouts(),
             update_flops=flops[0] if flops else None,

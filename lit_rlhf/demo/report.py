@@ -1,0 +1,245 @@
+"""The demo's report: ``report.md``, ``report.json``, ``samples.md`` and PNG plots read back from TensorBoard.
+
+Curves come from the TensorBoard event files of the fits (tensorboard's ``EventAccumulator``): PPO logs
+``rollout/score`` (proxy), ``rollout/monitor_score`` (gold) and ``rollout/kl_ref`` once per rollout;
+they are averaged over windows of consecutive rollouts holding at least :data:`MIN_PROMPTS_PER_POINT`
+prompts, so each plotted point is measured on that many responses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+MIN_PROMPTS_PER_POINT = 256
+SAMPLES_IN_REPORT = 24
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder: tag -> [(step, value)] in logging order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0 = keep every event
+    accumulator.Reload()
+    return {
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def window_means(values: list[float], window: int) -> list[float]:
+    """Means of consecutive non-overlapping windows (a shorter last window is dropped unless it is the only one)."""
+    n = max(len(values) // window, 1 if values else 0)
+    return [sum(values[i * window : (i + 1) * window]) / len(values[i * window : (i + 1) * window]) for i in range(n)]
+
+
+def reward_curves(scalars: dict, prompts_per_rollout: int) -> dict[str, list[float]]:
+    """Windowed per-rollout series of a PPO run: kl, proxy, gold and the rollout index at each window's end."""
+    window = math.ceil(MIN_PROMPTS_PER_POINT / prompts_per_rollout)
+    series = {name: [v for _, v in scalars.get(tag, [])] for name, tag in
+              (("kl", "rollout/kl_ref"), ("proxy", "rollout/score"), ("gold", "rollout/monitor_score"))}  # fmt: skip
+    n = min(len(v) for v in series.values())
+    curves = {name: window_means(v[:n], window) for name, v in series.items()}
+    curves["rollout"] = [min((i + 1) * window, n) for i in range(len(curves["kl"]))]
+    curves["window"] = window
+    return curves
+
+
+def plot_reward_vs_kl(curves: dict, path: Path, title: str, kl_budget: float | None = None) -> None:
+    """Gold and proxy reward (change since the first window) against KL to the reference, and per rollout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_kl, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, color in (("proxy", "tab:orange"), ("gold", "tab:blue")):
+        delta = [v - curves[name][0] for v in curves[name]]
+        ax_kl.plot(curves["kl"], delta, "o-", color=color, ms=3, label=f"{name} reward")
+        ax_t.plot(curves["rollout"], delta, "o-", color=color, ms=3, label=f"{name} reward")
+    if kl_budget is not None:
+        ax_kl.axvline(kl_budget, color="gray", ls="--", label=f"KL target {kl_budget:g}")
+    ax_kl.set_xlabel("KL(policy || reference), nats per response")
+    ax_t.set_xlabel("rollout")
+    for ax in (ax_kl, ax_t):
+        ax.set_ylabel("reward - reward of the first window")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_kl2 = ax_t.twinx()
+    ax_kl2.plot(curves["rollout"], curves["kl"], color="gray", alpha=0.5, label="KL")
+    ax_kl2.set_ylabel("KL (gray)")
+    fig.suptitle(f"{title} (each point: {curves['window']} rollouts, >= {MIN_PROMPTS_PER_POINT} prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rm_accuracy(scalars_by_run: dict[str, dict], path: Path) -> None:
+    """Validation accuracy of the reward model(s) over training: against gold and against the labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for run, scalars in scalars_by_run.items():
+        for tag, style in (("val/gold_accuracy", "o-"), ("val/accuracy", "s--")):
+            points = scalars.get(tag, [])
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], style, ms=4, label=f"{run} {tag}")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("held-out pair accuracy")
+    ax.set_title("Reward model: gold ordering vs noisy labels")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _samples_md(results: dict) -> str:
+    sft, ppo = results["sft"]["rows"], results["ppo"]["rows"]
+    lines = [
+        "# Sample responses on held-out prompts",
+        "",
+        "One sampled response per prompt (temperature 1), before (SFT) and after PPO, with its gold reward"
+        " (`*` = ungrammatical).",
+        "",
+        "| prompt | SFT response | gold | PPO response | gold |",
+        "|---|---|---|---|---|",
+    ]
+    for a, b in list(zip(sft, ppo))[:SAMPLES_IN_REPORT]:
+        mark = {True: "", False: "*"}
+        lines.append(
+            f"| {a['prompt']} | {a['response']!s} | {a['gold']:+.1f}{mark[a['grammatical']]} "
+            f"| {b['response']!s} | {b['gold']:+.1f}{mark[b['grammatical']]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _table(results: dict) -> list[str]:
+    rows = [
+        ("gold reward mean", "gold_mean", "{:+.2f}"),
+        ("gold reward std", "gold_std", "{:.2f}"),
+        ("proxy RM score mean", "proxy_mean", "{:+.2f}"),
+        ("KL to reference (nats)", "kl_ref", "{:.2f}"),
+        ("grammatical rate", "grammatical_rate", "{:.3f}"),
+        ("response length (tokens)", "response_length", "{:.1f}"),
+        ("truncated rate", "truncated_rate", "{:.3f}"),
+    ]
+    names = [n for n in ("sft", "ppo", "ppo_overoptimize") if n in results]
+    lines = ["| metric | " + " | ".join(n.upper().replace("_", " ") for n in names) + " |"]
+    lines.append("|---|" + "---|" * len(names))
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt.format(results[n]["summary"][key]) for n in names) + " |")
+    return lines
+
+
+def write_report(
+    out: Path, *, results: dict, runs: dict, manifest: dict, stage_wall_s: dict, start_time: float
+) -> dict[str, Any]:
+    """Plots, ``samples.md``, ``report.md`` and ``report.json`` in ``out``; returns the report dictionary."""
+    report_start = time.perf_counter()
+    scalars = {name: read_scalars(run["log_dir"]) for name, run in runs.items()}
+    plots, curves = {}, {}
+    for name in [n for n in runs if n.startswith("ppo")]:
+        init = runs[name]["config"]["model"]["init_args"]
+        per_rollout = runs[name]["config"]["data"]["init_args"]["batch_size"]
+        curves[name] = reward_curves(scalars[name], per_rollout)
+        plots[name] = out / f"{name}_reward_vs_kl.png"
+        title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
+        plot_reward_vs_kl(curves[name], plots[name], title, init.get("kl_target"))
+    plots["rm_accuracy"] = out / "rm_accuracy.png"
+    plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
+    (out / "samples.md").write_text(_samples_md(results))
+
+    sft, ppo = results["sft"]["summary"], results["ppo"]["summary"]
+    kl_target = runs["ppo"]["config"]["model"]["init_args"].get("kl_target")
+    wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
+    summary: dict[str, Any] = {
+        "rm_val_accuracy": results["rm"]["gold_accuracy"],
+        "rm_val_label_accuracy": results["rm"]["label_accuracy"],
+        "rm_val_pairs": results["rm"]["n_gold_ordered_pairs"],
+        **{f"sft_{k}": v for k, v in sft.items()},
+        **{f"ppo_{k}": v for k, v in ppo.items()},
+        "gold_lift_sft_std": (ppo["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None,
+        "ppo_kl_target": kl_target,
+        "max_new_tokens": runs["ppo"]["config"]["model"]["init_args"]["generation"]["max_new_tokens"],
+        "max_response_tokens": manifest["max_response_tokens"],
+        "wall_s": time.perf_counter() - start_time,
+        "wall_s_per_stage": wall,
+        "plots": {k: str(v) for k, v in plots.items()},
+        "tensorboard": {name: str(run["log_dir"]) for name, run in runs.items()},
+        "curves": curves,
+        "assets": manifest["args"],
+    }
+    if "ppo_overoptimize" in results:
+        over = results["ppo_overoptimize"]["summary"]
+        summary.update({f"overoptimize_{k}": v for k, v in over.items()})
+        summary["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
+    (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "report.md").write_text(_report_md(summary, results))
+    return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _report_md(summary: dict, results: dict) -> str:
+    wall = summary["wall_s_per_stage"]
+    lines = [
+        "# lit_rlhf demo: SFT -> reward model -> PPO",
+        "",
+        f"Policies evaluated on {summary['ppo_n_prompts']} held-out prompts, one sampled response each.",
+        "",
+        *_table(results),
+        "",
+        f"- Gold lift of PPO over SFT: {_fmt(summary['gold_lift_sft_std'], '+.2f')} SFT standard deviations.",
+        f"- KL target of the adaptive KL controller: {summary['ppo_kl_target']}; measured KL to the"
+        f" reference: {summary['ppo_kl_ref']:.2f} nats.",
+        f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
+        f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
+        f" {summary['rm_val_label_accuracy']:.3f}).",
+        f"- max_new_tokens {summary['max_new_tokens']} >= longest grammatical response"
+        f" ({summary['max_response_tokens']} tokens with EOS).",
+    ]
+    if "rm_weak_val_accuracy" in summary:
+        lines.append(
+            f"- Over-optimisation run: weak proxy RM accuracy {summary['rm_weak_val_accuracy']:.3f};"
+            f" final gold {summary['overoptimize_gold_mean']:+.2f}, KL {summary['overoptimize_kl_ref']:.2f}."
+        )
+    lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
+    lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in wall.items()]
+    lines += [f"| **total** | **{summary['wall_s']:.1f}** |", "", "## Plots", ""]
+    lines += [f"![{name}]({Path(p).name})" for name, p in summary["plots"].items()]
+    lines += ["", "Samples: [samples.md](samples.md). TensorBoard: `tensorboard --logdir tb`.", ""]
+    return "\n".join(lines)
+
+
+def console_summary(summary: dict) -> str:
+    """A one-screen summary of the report."""
+    wall = ", ".join(f"{k} {v:.0f}s" for k, v in summary["wall_s_per_stage"].items())
+    lines = [
+        "",
+        "=" * 78,
+        "lit_rlhf demo summary",
+        f"  RM held-out accuracy vs gold   {summary['rm_val_accuracy']:.3f}",
+        f"  gold reward   SFT {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f}"
+        f"   PPO {summary['ppo_gold_mean']:+.2f} +- {summary['ppo_gold_std']:.2f}"
+        f"   (lift {_fmt(summary['gold_lift_sft_std'], '+.2f')} SFT std)",
+        f"  proxy score   SFT {summary['sft_proxy_mean']:+.2f}   PPO {summary['ppo_proxy_mean']:+.2f}",
+        f"  KL to ref     PPO {summary['ppo_kl_ref']:.2f} nats (target {summary['ppo_kl_target']})",
+        f"  grammatical   SFT {summary['sft_grammatical_rate']:.3f}   PPO {summary['ppo_grammatical_rate']:.3f}",
+        f"  length        SFT {summary['sft_response_length']:.1f}   PPO {summary['ppo_response_length']:.1f} tokens",
+    ]
+    if "rm_weak_val_accuracy" in summary:
+        lines.append(
+            f"  over-optimisation: weak RM acc {summary['rm_weak_val_accuracy']:.3f}, final gold"
+            f" {summary['overoptimize_gold_mean']:+.2f}, proxy {summary['overoptimize_proxy_mean']:+.2f},"
+            f" KL {summary['overoptimize_kl_ref']:.2f}"
+        )
+    lines += [f"  wall time     {summary['wall_s']:.0f} s ({wall})", "=" * 78]
+    return "\n".join(lines)
