@@ -72,3 +72,15 @@ def llama_config(vocab_size: int = 322) -> dict:
 def tiny_config(request) -> dict:
     """Inline transformers config of a tiny GPT-2 or Llama model (random init)."""
     return gpt2_config() if request.param == "gpt2" else llama_config()
+
+
+@pytest.fixture
+def prompt_file(tmp_path) -> str:
+    """A jsonl file of 40 short prompts."""
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    with path.open("w") as f:
+        for i, text in enumerate(make_corpus(40, seed=5)):
+            f.write(json.dumps({"prompt": " ".join(text.split()[:3]) + f" {i % 7}"}) + "\n")
+    return path

@@ -7,8 +7,10 @@ import csv
 import pytest
 import torch
 from conftest import gpt2_config, llama_config
+from lightning.pytorch import Callback, LightningDataModule
 from ppo_helpers import prompt_loader, tiny_ppo, trainer
 
+from lit_rlhf.models import ModelSpec
 from lit_rlhf.modules import PPOModule
 from lit_rlhf.rollout import GenerationSettings
 
@@ -75,3 +77,136 @@ def test_rule_reward_rises_and_kl_grows(tokenizer_dir, tmp_path):
     assert last > first + 2.0, (first, last)
     assert rows[0]["rollout/kl_ref"] == pytest.approx(0.0, abs=1e-5)
     assert kl > 1.0
+
+
+def test_reward_model_source_with_kl_penalty_objective(tokenizer_dir, tmp_path):
+    # A (random, frozen) reward model is a fixed function of the text; PPO-Penalty must raise its score,
+    # and the adaptive beta of seeds/000 must move away from its initial value.
+    from lit_rlhf.models import build_score_model, load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    rm_dir = tmp_path / "rm"
+    rm = build_score_model(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=1), tok)
+    with torch.no_grad():  # spread the random scores so they matter next to the KL penalty
+        rm.score.weight.mul_(100.0)
+    rm.save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    torch.manual_seed(0)
+    module = tiny_ppo(
+        tokenizer_dir,
+        gpt2_config(),
+        reward_fn=None,
+        reward_model=ModelSpec(name_or_path=str(rm_dir)),
+        policy_loss="kl_penalty",
+        init_beta=0.1,
+        beta_target=0.001,
+        max_rollouts=15,
+    )
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))
+    rows = read_metrics(tmp_path)
+    first, last, kl = _score_and_kl(rows)
+    spread = torch.tensor([r["rollout/score"] for r in rows]).std().item()
+    assert last > first + spread, (first, last, spread)
+    betas = [r["ppo/beta"] for r in rows]
+    assert betas[0] != pytest.approx(0.1) or betas[-1] != pytest.approx(0.1)
+    assert module.beta_ctl.value != pytest.approx(0.1)
+
+
+def test_lora_actor_reference_is_the_adapter_free_actor(tokenizer_dir):
+    from lit_rlhf.models import build_causal_lm, frozen_copy, load_tokenizer
+    from lit_rlhf.modules.ppo_parts import policy_forward
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    module = tiny_ppo(
+        tokenizer_dir,
+        gpt2_config(),
+        actor=ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=0, lora=lora),
+    )
+    assert module.reference is None, "no separate reference copy for a LoRA actor"
+    base_params = sum(p.numel() for n, p in module.actor.named_parameters() if "lora_" not in n)
+    all_params = sum(p.numel() for m in (module.actor, module.critic) for p in m.parameters())
+    critic_params = sum(p.numel() for p in module.critic.parameters())
+    assert all_params - critic_params == base_params + sum(
+        p.numel() for n, p in module.actor.named_parameters() if "lora_" in n
+    ), "exactly one copy of the base weights"
+    # Make the adapters non-zero so the policy differs from the reference.
+    with torch.no_grad():
+        for name, p in module.actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    separate = frozen_copy(
+        build_causal_lm(
+            ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=0), load_tokenizer(tokenizer_dir)
+        )
+    )
+    batch = next(iter(prompt_loader(tokenizer_dir, n=8, batch_size=8)))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    T = 3
+    with torch.no_grad():
+        from lit_rlhf.models import reference_logits_context
+
+        with reference_logits_context(module.actor):
+            ref_lp, _, _ = policy_forward(module.actor, ids, mask, T, 1.0)
+        sep_lp, _, _ = policy_forward(separate, ids, mask, T, 1.0)
+        actor_lp, _, _ = policy_forward(module.actor, ids, mask, T, 1.0)
+    torch.testing.assert_close(ref_lp, sep_lp, atol=1e-6, rtol=0)
+    assert (actor_lp - sep_lp).abs().max() > 1e-3, "adapters are active outside the context"
+
+
+class StopAfter(Callback):
+    def __init__(self, rollouts: int) -> None:
+        self.rollouts = rollouts
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if module.rollouts_done == self.rollouts:
+            trainer.save_checkpoint(trainer.default_root_dir + "/mid.ckpt")
+            trainer.should_stop = True
+
+
+def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt_file):
+    # K = 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics (same
+    # prompts from the resumable sampler, same sampling RNG, optimisers, KL controller and buffer RNG).
+    from lit_rlhf.data import PromptDataModule
+
+    def data():
+        return PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=8, seed=3)
+
+    def run(root, callbacks=(), ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(
+            module, data(), ckpt_path=ckpt_path
+        )
+        return read_metrics(root)
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "part", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    assert len(full) == 4 and len(resumed) == 2
+    for a, b in zip(full[2:], resumed):
+        for key in ("rollout/score", "rollout/kl_ref", "ppo/policy_loss", "ppo/value_loss", "ppo/kl_coef"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+class PromptModule(LightningDataModule):
+    """A user's own DataModule: any loader yielding left-padded input_ids/attention_mask works."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        super().__init__()
+        self.tokenizer_dir = tokenizer_dir
+
+    def train_dataloader(self):
+        return prompt_loader(self.tokenizer_dir, n=16, batch_size=8)
+
+
+def test_plain_trainer_with_users_datamodule_and_shared_critic(tokenizer_dir, tmp_path):
+    module = tiny_ppo(tokenizer_dir, llama_config(), share_critic_backbone=True, max_rollouts=2)
+    before = [p.detach().clone() for p in module.actor.parameters()]
+    trainer(tmp_path).fit(module, datamodule=PromptModule(tokenizer_dir))
+    assert module.critic is None and module.value_head is not None
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.actor.parameters()))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for row in rows:  # (explained_variance is NaN when all returns are equal, as documented)
+        for key in ("rollout/score", "ppo/policy_loss", "ppo/value_loss", "ppo/values_mean", "ppo/lr_critic"):
+            assert torch.isfinite(torch.tensor(row[key])), key

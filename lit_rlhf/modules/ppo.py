@@ -88,7 +88,8 @@ class PPOModule(LightningModule):
         max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
         log_samples_every: log a prompt/response/score table every this many rollouts (0 = never).
         num_log_samples: rows of that table.
-        seed: seed of the model initialisations and the minibatch shuffling.
+        rng_seed: seed of the model initialisations and the minibatch shuffling (named apart from the
+            DataModule's `seed`, since Lightning refuses equal hparam names with different values).
         actor_optimizer: optimiser factory of the actor.
         critic_optimizer: optimiser factory of the critic (or the shared value head).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
@@ -130,7 +131,7 @@ class PPOModule(LightningModule):
         max_rollouts: int | None = None,
         log_samples_every: int = 10,
         num_log_samples: int = 4,
-        seed: int = 0,
+        rng_seed: int = 0,
         actor_optimizer: OptimizerCallable = torch.optim.AdamW,
         critic_optimizer: OptimizerCallable = torch.optim.AdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
@@ -146,7 +147,7 @@ class PPOModule(LightningModule):
         self.generation = generation or GenerationSettings()
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
         with torch.random.fork_rng():  # seeded, so a resumed run rebuilds identical frozen models
-            torch.manual_seed(seed)
+            torch.manual_seed(rng_seed)
             self.actor = build_causal_lm(actor, self.tokenizer)
             disable_dropout(self.actor)
             if reference is not None:
@@ -167,7 +168,7 @@ class PPOModule(LightningModule):
             else F.AdaptiveKLController(kl_coef, kl_target, kl_horizon)
         )
         self.beta_ctl = F.PPOPenaltyKLController(init_beta, beta_target)
-        self.buffer = ReplayBuffer(num_minibatches, seed)
+        self.buffer = ReplayBuffer(num_minibatches, rng_seed)
         self.rollout_metrics, self.ppo_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(PPO_METRICS)
         self.rollouts_done = 0
         self._rng_to_restore: torch.Tensor | None = None
