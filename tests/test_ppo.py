@@ -210,3 +210,48 @@ def test_plain_trainer_with_users_datamodule_and_shared_critic(tokenizer_dir, tm
     for row in rows:  # (explained_variance is NaN when all returns are equal, as documented)
         for key in ("rollout/score", "ppo/policy_loss", "ppo/value_loss", "ppo/values_mean", "ppo/lr_critic"):
             assert torch.isfinite(torch.tensor(row[key])), key
+
+
+def test_cli_fit_writes_tensorboard_tags_and_hf_export(tokenizer_dir, prompt_file, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_sft_rm import tb_scalars
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "ppo"
+    cmd = [
+        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(root / "configs/ppo_tiny.yaml"),
+        "--model.init_args.actor=null",
+        f'--model.init_args.actor={{"config": {{"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}}, "tokenizer": "{tokenizer_dir}"}}',
+        "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
+        "--model.init_args.max_rollouts=3", "--model.init_args.log_samples_every=1",
+        "--model.init_args.generation.max_new_tokens=6",
+        f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        "--data.init_args.batch_size=8",
+        f"--trainer.logger.init_args.save_dir={run}", f"--trainer.default_root_dir={run}",
+        "--trainer.callbacks=lit_rlhf.callbacks.HFExport", f"--trainer.callbacks.dirpath={run}/export",
+        "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scalars = tb_scalars(run)
+    expected = [f"rollout/{k}" for k in ("score", "reward", "kl_ref", "response_length", "eos_rate", "entropy")]
+    expected += [
+        f"ppo/{k}"
+        for k in (
+            "policy_loss", "value_loss", "approx_kl", "policy_kl", "clipfrac", "value_clipfrac", "ratio_mean",
+            "ratio_max", "explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean",
+            "kl_coef", "lr_actor", "lr_critic", "skipped_minibatches",
+        )
+    ]  # fmt: skip
+    missing = [tag for tag in expected if tag not in scalars]
+    assert not missing, f"missing TensorBoard tags {missing}"
+    assert all(len(scalars[tag]) == 3 for tag in expected), "one value per rollout"
+    actor = AutoModelForCausalLM.from_pretrained(run / "export" / "actor")
+    assert actor.config.model_type == "gpt2"
+    assert (run / "export" / "critic" / "config.json").exists()

@@ -145,6 +145,8 @@ class PPOModule(LightningModule):
         _validate(self.hparams)
         self.factories = (actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler)
         self.generation = generation or GenerationSettings()
+        # (under LightningCLI, self.hparams holds the raw config dicts, not the dataclasses)
+        self.actor_lora = actor.lora is not None
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
         with torch.random.fork_rng():  # seeded, so a resumed run rebuilds identical frozen models
             torch.manual_seed(rng_seed)
@@ -390,7 +392,7 @@ class PPOModule(LightningModule):
             for prefix in ("reference.", "rewards."):
                 for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
                     del checkpoint["state_dict"][key]
-            if self.hparams.actor.lora is not None:
+            if self.actor_lora:
                 drop_frozen_weights(checkpoint, self.actor, "actor.")
         checkpoint["ppo_state"] = {
             "kl_ctl": self.kl_ctl.state_dict(),

@@ -85,7 +85,7 @@ class RewardModelModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.spec = model
+        self.spec = model  # (under LightningCLI, self.hparams holds the raw config dicts)
         self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
         self.model = build_score_model(model, self.tokenizer)
         self.train_metrics, self.val_metrics = PairMetrics(), PairMetrics()

@@ -54,7 +54,7 @@ class SFTModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.spec = model
+        self.spec = model  # (under LightningCLI, self.hparams holds the raw config dicts)
         self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
         self.model = build_causal_lm(model, self.tokenizer)
         # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
