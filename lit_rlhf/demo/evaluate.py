@@ -62,7 +62,7 @@ def pair_scores(model: torch.nn.Module, tokenizer, rows: Sequence[dict], batch_s
 def evaluate_reward_model(rm_dir: str | Path, pairs_path: str | Path) -> dict:
     """Accuracy of an exported reward model on preference pairs: against gold and against the labels."""
     tokenizer = load_tokenizer(str(rm_dir))
-    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, num_labels=1).eval()
     rows = read_jsonl(pairs_path)
     chosen, rejected = pair_scores(model, tokenizer, rows)
     gold_c = [r["gold_chosen"] for r in rows]
@@ -130,7 +130,7 @@ def sample_policy(
     tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     reference = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
-    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir, num_labels=1).eval()
     generator_state = torch.get_rng_state()
     torch.manual_seed(seed)
     rows = []
