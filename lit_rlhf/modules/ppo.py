@@ -6,10 +6,9 @@ rewards with a KL penalty, compute GAE, then run ``ppo_epochs`` passes over shuf
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
@@ -19,21 +18,18 @@ from lit_rlhf.models import (
     ValueHead,
     build_causal_lm,
     build_score_model,
-    export_pretrained,
     frozen_copy,
     load_tokenizer,
     reference_logits_context,
 )
-from lit_rlhf.modules.base import drop_frozen_weights
 from lit_rlhf.modules.distributed import (
     clip_grad_norm,
-    gather_for_export,
     generation_context,
-    is_sharded_checkpoint,
     shard_models,
     unwrap,
 )
 from lit_rlhf.modules.optim import resolve_total_steps
+from lit_rlhf.modules.ppo_bookkeeping import PPOBookkeeping
 from lit_rlhf.modules.ppo_parts import (
     PPO_METRICS,
     ROLLOUT_METRICS,
@@ -43,13 +39,14 @@ from lit_rlhf.modules.ppo_parts import (
     chunked,
     critic_values,
     disable_dropout,
+    masked_row_sum,
     policy_forward,
+    validate_ppo_args,
 )
-from lit_rlhf.modules.samples import log_text_table
 from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
 
 
-class PPOModule(LightningModule):
+class PPOModule(PPOBookkeeping):
     """PPO with an actor, a critic, a frozen reference and a reward model or reward function.
 
     Args:
@@ -142,7 +139,7 @@ class PPOModule(LightningModule):
         self.save_hyperparameters(
             ignore=["actor_optimizer", "critic_optimizer", "actor_scheduler", "critic_scheduler"]
         )
-        _validate(self.hparams)
+        validate_ppo_args(self.hparams)
         self.factories = (actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler)
         self.generation = generation or GenerationSettings()
         # (under LightningCLI, self.hparams holds the raw config dicts, not the dataclasses)
@@ -157,7 +154,9 @@ class PPOModule(LightningModule):
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
             self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
-            self.monitor = None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
+            self.monitor = (
+                None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
+            )
             if share_critic_backbone:
                 self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
             else:
@@ -197,11 +196,15 @@ class PPOModule(LightningModule):
             scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, self.hparams.kl_estimator
         )
         if self.hparams.whiten_rewards:
-            rewards = torch.where(response_mask, F.masked_whiten(rewards, response_mask, shift_mean=False), 0.0)
+            rewards = torch.where(
+                response_mask, F.masked_whiten(rewards, response_mask, shift_mean=False), 0.0
+            )
         advantages, returns = F.compute_gae(
             rewards, old_values, response_mask, self.hparams.gamma, self.hparams.gae_lambda
         )
-        self.log_rollout_stats(scores, rewards, kl, response_mask, truncated, entropy, old_values, advantages, returns)
+        self.log_rollout_stats(
+            scores, rewards, kl, response_mask, truncated, entropy, old_values, advantages, returns
+        )
         if self.hparams.whiten_advantages:
             advantages = torch.where(response_mask, F.masked_whiten(advantages, response_mask), 0.0)
         rollout = Rollout(
@@ -306,59 +309,21 @@ class PPOModule(LightningModule):
         if self.critic is not None:
             values = critic_values(self.critic, part.input_ids, part.attention_mask, T)
         if hp.policy_loss == "clip":
-            pg_loss, pg_stats = F.ppo_policy_loss(logprobs, part.old_logprobs, part.advantages, mask, hp.clip_coef)
+            pg_loss, pg_stats = F.ppo_policy_loss(
+                logprobs, part.old_logprobs, part.advantages, mask, hp.clip_coef
+            )
         else:
             pg_loss, pg_stats = F.kl_penalty_policy_loss(
                 logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value
             )
-        vf_loss, vf_stats = F.clipped_value_loss(values, part.old_values, part.returns, mask, hp.clip_coef_value)
+        vf_loss, vf_stats = F.clipped_value_loss(
+            values, part.old_values, part.returns, mask, hp.clip_coef_value
+        )
         mean_entropy = F.masked_mean(entropy, mask)
         loss = pg_loss - hp.ent_coef * mean_entropy + hp.vf_coef * vf_loss
         stats = {**pg_stats, **vf_stats, "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach()}
         stats["entropy"] = mean_entropy.detach()
         return loss, stats
-
-    def log_rollout_stats(self, scores, rewards, kl, response_mask, truncated, entropy, values, advantages, returns):
-        """Rollout-level metrics (before advantage whitening), reduced across ranks by torchmetrics."""
-        self.rollout_metrics.update(
-            {
-                "score": scores.mean(),
-                "reward": masked_row_sum(rewards, response_mask).mean(),
-                "kl_ref": masked_row_sum(kl, response_mask).mean(),
-                "response_length": response_mask.sum(1).float().mean(),
-                "eos_rate": 1.0 - truncated.float().mean(),
-                "entropy": F.masked_mean(entropy, response_mask),
-                "explained_variance": F.explained_variance(values, returns, response_mask),
-                "advantages_mean": F.masked_mean(advantages, response_mask),
-                "advantages_std": F.masked_var(advantages, response_mask).sqrt(),
-                "returns_mean": F.masked_mean(returns, response_mask),
-                "values_mean": F.masked_mean(values, response_mask),
-            }
-        )
-
-    def finish_rollout(self, batch, responses, response_mask, scores) -> None:
-        metrics = {f"rollout/{k}": v for k, v in self.rollout_metrics.compute_and_reset().items()}
-        for key in ("explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean"):
-            metrics[f"ppo/{key}"] = metrics.pop(f"rollout/{key}")
-        metrics.update({f"ppo/{k}": v for k, v in self.ppo_metrics.compute_and_reset().items()})
-        metrics["ppo/kl_coef"] = torch.tensor(self.kl_ctl.value)
-        if self.hparams.policy_loss == "kl_penalty":
-            metrics["ppo/beta"] = torch.tensor(self.beta_ctl.value)
-        actor_opt, critic_opt = self.optimizers()
-        metrics["ppo/lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"])
-        metrics["ppo/lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"])
-        self.log_dict(metrics, prog_bar=False, batch_size=responses.shape[0])
-        self.log("score", metrics["rollout/score"], prog_bar=True, logger=False)
-        self.log("kl", metrics["rollout/kl_ref"], prog_bar=True, logger=False)
-        self.rollouts_done += 1
-        every, n = self.hparams.log_samples_every, self.hparams.num_log_samples
-        if every and n and (self.rollouts_done - 1) % every == 0:
-            prompts = self.tokenizer.batch_decode(batch["input_ids"][:n], skip_special_tokens=True)
-            texts = self.rewards.decode_responses(responses[:n], response_mask[:n])
-            rows = [(p, r, f"{s:.3f}") for p, r, s in zip(prompts, texts, scores[:n].tolist())]
-            log_text_table(self, "rollout/samples", ["prompt", "response", "score"], rows)
-        if self.hparams.max_rollouts is not None and self.rollouts_done >= self.hparams.max_rollouts:
-            self.trainer.should_stop = True
 
     # ----------------------------------------------------------------------------------------------
     @override
@@ -376,7 +341,9 @@ class PPOModule(LightningModule):
         for opt, fn in zip(optimizers, (actor_sched_fn, critic_sched_fn)):
             if fn is not None:
                 scheduler = fn(opt)
-                resolve_total_steps(scheduler, self.hparams.max_rollouts or self.trainer.estimated_stepping_batches)
+                resolve_total_steps(
+                    scheduler, self.hparams.max_rollouts or self.trainer.estimated_stepping_batches
+                )
                 schedulers.append(scheduler)
         return optimizers, schedulers
 
@@ -385,70 +352,3 @@ class PPOModule(LightningModule):
         if schedulers is None:
             return []
         return schedulers if isinstance(schedulers, list) else [schedulers]
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if not is_sharded_checkpoint(self):  # a sharded checkpoint must hold every key (see there)
-            for prefix in ("reference.", "rewards."):
-                for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
-                    del checkpoint["state_dict"][key]
-            if self.actor_lora:
-                drop_frozen_weights(checkpoint, self.actor, "actor.")
-        checkpoint["ppo_state"] = {
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "beta_ctl": self.beta_ctl.state_dict(),
-            "buffer": self.buffer.state_dict(),
-            "rollouts_done": self.rollouts_done,
-            # generate() samples from the global RNG; restoring it makes a resumed run sample identically
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["ppo_state"]
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.beta_ctl.load_state_dict(state["beta_ctl"])
-        self.buffer.load_state_dict(state["buffer"])
-        self.rollouts_done = state["rollouts_done"]
-        # applied at the next training_step, after Lightning has finished restoring and set up the data
-        self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
-
-    def _restore_rng(self) -> None:
-        if self._rng_to_restore is not None:
-            cpu, cuda = self._rng_to_restore
-            torch.set_rng_state(cpu)
-            if cuda:
-                torch.cuda.set_rng_state_all(cuda)
-            self._rng_to_restore = None
-
-    def export_pretrained(self, folder: str) -> None:
-        """Write ``folder/actor`` (AutoModelForCausalLM) and ``folder/critic`` (when separate)."""
-        for name, model in (("actor", self.actor), ("critic", self.critic)):
-            full = None if model is None else gather_for_export(self, model)  # collective under FSDP
-            if full is not None:
-                export_pretrained(full, self.tokenizer, f"{folder}/{name}")
-
-
-def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B,) sum over each row's real tokens."""
-    return torch.where(mask, x, 0.0).sum(dim=1)
-
-
-def _validate(hp: Any) -> None:
-    if (hp.reward_model is None) == (hp.reward_fn is None):
-        raise ValueError("PPOModule: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')")
-    if hp.share_critic_backbone and hp.critic is not None:
-        raise ValueError("PPOModule: share_critic_backbone=True uses a value head on the actor; do not also set critic")
-    positive = ("ppo_epochs", "num_minibatches", "forward_batch_size", "clip_coef", "init_beta", "beta_target")
-    for name in positive:
-        if getattr(hp, name) <= 0:
-            raise ValueError(f"PPOModule: {name} must be > 0, got {getattr(hp, name)}")
-    for name in ("clip_coef_value", "vf_coef", "ent_coef", "kl_coef"):
-        if getattr(hp, name) < 0:
-            raise ValueError(f"PPOModule: {name} must be >= 0, got {getattr(hp, name)}")
-    for name in ("gamma", "gae_lambda"):
-        if not 0.0 <= getattr(hp, name) <= 1.0:
-            raise ValueError(f"PPOModule: {name} must be in [0, 1], got {getattr(hp, name)}")
-    if hp.max_rollouts is not None and hp.max_rollouts < 1:
-        raise ValueError(f"PPOModule: max_rollouts must be >= 1 or None, got {hp.max_rollouts}")

@@ -128,7 +128,9 @@ PPO_METRICS = (
 )  # fmt: skip
 
 
-def accumulate_stats(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor], weight: torch.Tensor) -> None:
+def accumulate_stats(
+    total: dict[str, torch.Tensor], part: dict[str, torch.Tensor], weight: torch.Tensor
+) -> None:
     """Fold a micro-batch's loss stats into the minibatch's: token-weighted means, and the max of maxima."""
     for key, value in part.items():
         if key.endswith("_max"):
@@ -165,7 +167,8 @@ class RewardSource(torch.nn.Module):
 
     def decode_responses(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         return [
-            self.tokenizer.decode(row[mask], skip_special_tokens=True) for row, mask in zip(responses, response_mask)
+            self.tokenizer.decode(row[mask], skip_special_tokens=True)
+            for row, mask in zip(responses, response_mask)
         ]
 
     @torch.no_grad()
@@ -193,3 +196,39 @@ class RewardSource(torch.nn.Module):
                 for rows in chunked(input_ids.shape[0], chunk_size)
             ]
         )
+
+
+def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B,) sum over each row's real tokens."""
+    return torch.where(mask, x, 0.0).sum(dim=1)
+
+
+def validate_ppo_args(hp: Any) -> None:
+    """Check PPOModule's arguments early, with messages naming the argument."""
+    if (hp.reward_model is None) == (hp.reward_fn is None):
+        raise ValueError(
+            "PPOModule: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
+        )
+    if hp.share_critic_backbone and hp.critic is not None:
+        raise ValueError(
+            "PPOModule: share_critic_backbone=True uses a value head on the actor; do not also set critic"
+        )
+    positive = (
+        "ppo_epochs",
+        "num_minibatches",
+        "forward_batch_size",
+        "clip_coef",
+        "init_beta",
+        "beta_target",
+    )
+    for name in positive:
+        if getattr(hp, name) <= 0:
+            raise ValueError(f"PPOModule: {name} must be > 0, got {getattr(hp, name)}")
+    for name in ("clip_coef_value", "vf_coef", "ent_coef", "kl_coef"):
+        if getattr(hp, name) < 0:
+            raise ValueError(f"PPOModule: {name} must be >= 0, got {getattr(hp, name)}")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(hp, name) <= 1.0:
+            raise ValueError(f"PPOModule: {name} must be in [0, 1], got {getattr(hp, name)}")
+    if hp.max_rollouts is not None and hp.max_rollouts < 1:
+        raise ValueError(f"PPOModule: max_rollouts must be >= 1 or None, got {hp.max_rollouts}")

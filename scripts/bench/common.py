@@ -46,6 +46,16 @@ GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, em
 RM = dict(pairs_per_batch=8, prompt_len=16, chosen_len=24, rejected_len=20, n_pairs=1024, lr=1e-4, max_grad_norm=1.0)
 
 
+def default_optimizer(module_class: type, argument: str, **kwargs):
+    """The module's own default optimiser factory with the benchmark's hyper-parameters bound, so the
+    benchmark measures lit_rlhf's defaults (whatever AdamW variant the module picks)."""
+    import functools
+    import inspect
+
+    factory = inspect.signature(module_class.__init__).parameters[argument].default
+    return functools.partial(factory, **kwargs)
+
+
 def child_env(threads: int) -> dict[str, str]:
     """Environment of every benchmark subprocess: equal thread counts, nothing online."""
     env = dict(os.environ)

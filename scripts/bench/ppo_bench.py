@@ -12,13 +12,12 @@ rollouts are reported but excluded from the driver's statistics. Settings: commo
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PPO, Timeline, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
+from common import PPO, Timeline, default_optimizer, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
 
 
 def prompt_rows(assets: Path, n: int) -> list[list[int]]:
@@ -65,7 +64,8 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
             timeline.mark("iter_end")
 
     models = Path(args.assets) / args.model
-    adamw = functools.partial(torch.optim.AdamW, lr=PPO["lr"], weight_decay=0.0)
+    actor_opt = default_optimizer(PPOModule, "actor_optimizer", lr=PPO["lr"], weight_decay=0.0)
+    critic_opt = default_optimizer(PPOModule, "critic_optimizer", lr=PPO["lr"], weight_decay=0.0)
     module = TimedPPO(
         actor=ModelSpec(name_or_path=str(models / "actor")),
         reward_model=ModelSpec(name_or_path=str(models / "reward")),
@@ -85,8 +85,8 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
         ratio_threshold=None,
         max_rollouts=args.rollouts,
         log_samples_every=0,
-        actor_optimizer=adamw,
-        critic_optimizer=adamw,
+        actor_optimizer=actor_opt,
+        critic_optimizer=critic_opt,
     )
     rows = [
         {"input_ids": torch.tensor(p), "attention_mask": torch.ones(len(p), dtype=torch.long)}

@@ -12,13 +12,12 @@ without weight decay, gradient-norm clipping at 1.0, no gradient checkpointing, 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RM, StepClock, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
+from common import RM, StepClock, default_optimizer, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
 
 
 def run_lit(args, clock: StepClock) -> None:
@@ -36,7 +35,7 @@ def run_lit(args, clock: StepClock) -> None:
     folder = Path(args.assets) / "rm_gpt2"
     module = RewardModelModule(
         model=ModelSpec(name_or_path=str(folder)),
-        optimizer=functools.partial(torch.optim.AdamW, lr=RM["lr"], weight_decay=0.0),
+        optimizer=default_optimizer(RewardModelModule, "optimizer", lr=RM["lr"], weight_decay=0.0),
         scheduler=None,
     )
     rows = [
