@@ -24,8 +24,10 @@ venv: $(VENV)/.installed
 lint: venv
 	$(VENV)/bin/ruff check lit_rlhf tests scripts
 
+# pytest exits 5 when it collects no test: that is a failure here too, with a clear message.
 test: venv lint
-	$(PY) -m pytest -m "not slow and not distributed" -q $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not distributed" -q $(PYTEST_ARGS) || { rc=$$?; \
+	  [ $$rc -eq 5 ] && echo "make test: pytest collected no tests"; exit $$rc; }
 
 test-all: venv lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,80 @@
+"""PPOModule options: argument checks, score adjustments, the ratio-threshold skip, reward sources."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpt2_config
+from ppo_helpers import prompt_loader, tiny_ppo, trainer
+
+from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer, sequence_scores
+from lit_rlhf.modules.ppo_parts import RewardSource, import_reward_fn
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"reward_fn": None}, "exactly one of reward_model"),
+        ({"ppo_epochs": 0}, "ppo_epochs must be > 0"),
+        ({"gamma": 1.5}, r"gamma must be in \[0, 1\]"),
+        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        (
+            {"share_critic_backbone": True, "critic": ModelSpec(config=gpt2_config(), tokenizer="x")},
+            "share_critic_backbone",
+        ),
+        ({"max_rollouts": 0}, "max_rollouts must be >= 1"),
+    ],
+)
+def test_invalid_arguments_fail_early_with_a_named_argument(tokenizer_dir, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_ppo(tokenizer_dir, gpt2_config(), **overrides)
+
+
+def test_reward_fn_path_errors_name_the_path():
+    with pytest.raises(ValueError, match="package.module:function"):
+        import_reward_fn("no_colon_here")
+    with pytest.raises(ValueError, match="could not be imported"):
+        import_reward_fn("ppo_rewards:does_not_exist")
+
+
+def test_missing_eos_penalty_then_score_clip(tokenizer_dir):
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), missing_eos_penalty=1.0, score_clip=2.0)
+    scores = torch.tensor([3.0, 0.5, -1.5, 0.5])
+    truncated = torch.tensor([False, True, True, False])
+    # [3, 0.5-1, -1.5-1, 0.5] = [3, -0.5, -2.5, 0.5] -> clipped to [-2, 2]: [2, -0.5, -2, 0.5]
+    assert module.adjust_scores(scores, truncated).tolist() == [2.0, -0.5, -2.0, 0.5]
+
+
+def test_ratio_threshold_skips_every_minibatch_without_changing_weights(tokenizer_dir, tmp_path):
+    # A threshold below 1 rejects even the first minibatch (ratio = 1): no optimiser step happens.
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), ratio_threshold=0.5, max_rollouts=1)
+    before = [p.detach().clone() for p in module.actor.parameters()]
+    t = trainer(tmp_path)
+    t.fit(module, prompt_loader(tokenizer_dir))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.actor.parameters()))
+    assert t.logged_metrics["ppo/skipped_minibatches"] == 1.0
+
+
+def test_reward_model_with_another_vocabulary_scores_retokenised_text(
+    tokenizer_dir, chat_tokenizer_dir, tmp_path
+):
+    # The RM's tokenizer differs from the actor's (it has chat special tokens): the decoded text is
+    # re-tokenised, so its scores equal scoring that text directly.
+    actor_tok = load_tokenizer(tokenizer_dir)
+    rm_tok = load_tokenizer(chat_tokenizer_dir)
+    rm = build_score_model(
+        ModelSpec(config=gpt2_config(len(rm_tok)), tokenizer=chat_tokenizer_dir, seed=0), rm_tok
+    )
+    rm.save_pretrained(tmp_path / "rm")
+    rm_tok.save_pretrained(tmp_path / "rm")
+    source = RewardSource(ModelSpec(name_or_path=str(tmp_path / "rm")), None, actor_tok)
+    assert source.model_tokenizer is not None
+    prompt, response = "the food was", " very good"
+    ids = actor_tok(prompt)["input_ids"] + actor_tok(response)["input_ids"] + [actor_tok.eos_token_id]
+    T = len(ids) - len(actor_tok(prompt)["input_ids"])
+    input_ids = torch.tensor([ids])
+    got = source.score(input_ids, torch.ones_like(input_ids), T, chunk_size=4)
+    enc = rm_tok([prompt + response + rm_tok.eos_token], return_tensors="pt")
+    with torch.no_grad():
+        want = sequence_scores(rm.eval(), enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(got, want)
