@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lit_rlhf.functional import pairwise_reward_loss
-from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, load_tokenizer, sequence_scores
-from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
-from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, shard_models
+from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
 from lit_rlhf.modules.optim import WarmupCosineLR
+from lit_rlhf.modules.single import SingleModelModule
 
 
 class PairMetrics(torch.nn.Module):
@@ -54,7 +50,7 @@ class PairMetrics(torch.nn.Module):
             metric.reset()
 
 
-class RewardModelModule(LightningModule):
+class RewardModelModule(SingleModelModule):
     """Bradley-Terry reward model (InstructGPT, Ouyang et al. 2022, eq. 1) scored at the last real token.
 
     Batches come from :class:`~lit_rlhf.data.PreferenceDataModule`: ``input_ids``/``attention_mask`` of
@@ -83,13 +79,8 @@ class RewardModelModule(LightningModule):
         if center_rewards_coef < 0:
             raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.spec = model  # (under LightningCLI, self.hparams holds the raw config dicts)
-        self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
-        self.model = build_score_model(model, self.tokenizer)
+        self._init_model(model, build_score_model, optimizer, scheduler)
         self.train_metrics, self.val_metrics = PairMetrics(), PairMetrics()
-        self.strict_loading = model.lora is None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(N, L) token ids and mask -> (N,) float32 scores read at each row's last real token."""
@@ -129,25 +120,3 @@ class RewardModelModule(LightningModule):
         self.log(f"{stage}/accuracy", values.pop("accuracy"), prog_bar=True)
         self.log_dict({f"{stage}/{k}": v for k, v in values.items()})
         metrics.reset()
-
-    @override
-    def configure_model(self) -> None:
-        shard_models(self, ("model",))
-
-    @override
-    def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return configure_optimizer_and_scheduler(
-            self, params, self.optimizer, self.scheduler, self.trainer.estimated_stepping_batches
-        )
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.spec.lora is not None and not is_sharded_checkpoint(self):
-            drop_frozen_weights(checkpoint, self.model, "model.")
-
-    def export_pretrained(self, folder: str) -> None:
-        """Write the reward model for ``AutoModelForSequenceClassification.from_pretrained``."""
-        full = gather_for_export(self, self.model)  # collective under FSDP; None off rank 0
-        if full is not None:
-            export_pretrained(full, self.tokenizer, folder)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -15,21 +12,16 @@ from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
     causal_lm_logits,
-    export_pretrained,
-    load_tokenizer,
 )
-from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
 from lit_rlhf.modules.distributed import (
-    gather_for_export,
     generation_context,
-    is_sharded_checkpoint,
-    shard_models,
 )
 from lit_rlhf.modules.optim import WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
+from lit_rlhf.modules.single import SingleModelModule
 
 
-class SFTModule(LightningModule):
+class SFTModule(SingleModelModule):
     """Causal-LM fine-tuning on (prompt, response) batches from :class:`~lit_rlhf.data.SFTDataModule`.
 
     Args:
@@ -52,17 +44,11 @@ class SFTModule(LightningModule):
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.spec = model  # (under LightningCLI, self.hparams holds the raw config dicts)
-        self.tokenizer = load_tokenizer(model.tokenizer or model.name_or_path)
-        self.model = build_causal_lm(model, self.tokenizer)
+        self._init_model(model, build_causal_lm, optimizer, scheduler)
         # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
         self.train_nll, self.val_nll = MeanMetric(), MeanMetric()
         self.train_acc, self.val_acc = MeanMetric(), MeanMetric()
         self._sample_prompts: list[torch.Tensor] = []
-        # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
-        self.strict_loading = model.lora is None
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
@@ -132,25 +118,3 @@ class SFTModule(LightningModule):
             )
         self.model.train(was_training)
         return rows
-
-    @override
-    def configure_model(self) -> None:
-        shard_models(self, ("model",))
-
-    @override
-    def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return configure_optimizer_and_scheduler(
-            self, params, self.optimizer, self.scheduler, self.trainer.estimated_stepping_batches
-        )
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.spec.lora is not None and not is_sharded_checkpoint(self):
-            drop_frozen_weights(checkpoint, self.model, "model.")
-
-    def export_pretrained(self, folder: str) -> None:
-        """Write the policy (LoRA merged) and tokenizer for ``AutoModelForCausalLM.from_pretrained``."""
-        full = gather_for_export(self, self.model)  # collective under FSDP; None off rank 0
-        if full is not None:
-            export_pretrained(full, self.tokenizer, folder)
