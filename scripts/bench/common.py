@@ -43,7 +43,9 @@ LLAMA = {
 VOCAB = 1000
 # Reward-model benchmark: hidden-64, 2-layer GPT-2 on fixed-length pairs (same padding in any order).
 GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-RM = dict(pairs_per_batch=8, prompt_len=16, chosen_len=24, rejected_len=20, n_pairs=1024, lr=1e-4, max_grad_norm=1.0)
+RM = dict(
+    pairs_per_batch=8, prompt_len=16, chosen_len=24, rejected_len=20, n_pairs=1024, lr=1e-4, max_grad_norm=1.0
+)
 
 
 def default_optimizer(module_class: type, argument: str, **kwargs):
@@ -79,8 +81,33 @@ def set_threads(threads: int) -> None:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    """Peak resident set size of this process in MiB (``ru_maxrss``, KiB on Linux).
+
+    Linux carries ``ru_maxrss`` across ``execve`` from the process that spawned it, so a driver whose
+    RSS exceeds a run's would hide that run's peak: the driver therefore never imports torch (the assets
+    are built in a subprocess too), and ``VmHWM`` (the peak of this exec's address space) is kept as a
+    cross-check.
+    """
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def vm_hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def versions(impl: str) -> dict[str, str]:
+    """Versions of the packages a run used (the driver prints them under the tables)."""
+    from importlib import metadata
+
+    names = [
+        "torch",
+        "transformers",
+        *(("trl", "accelerate") if impl == "trl" else ("lit-rlhf", "lightning")),
+    ]
+    return {name: metadata.version(name) for name in names}
 
 
 def emit(result: dict) -> None:
@@ -96,16 +123,34 @@ class Timeline:
 
     Each mark records wall time and this process's CPU time: on a machine shared with other jobs the
     CPU time (``cpu_*`` keys) is the contention-robust measure of the work, the wall time the one users see.
+    ``optimizer`` is the part of the update spent in ``Optimizer.step`` (global torch hooks, so the same
+    for both libraries).
     """
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, float, float]] = []
         self._update_open = False
+        self._optimizer = [0.0, 0.0]  # wall, CPU spent in Optimizer.step since the last iter_end
+        self._step_start = (0.0, 0.0)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self._pre_step)
+        register_optimizer_step_post_hook(self._post_step)
+
+    def _pre_step(self, *_) -> None:
+        self._step_start = (time.perf_counter(), time.process_time())
+
+    def _post_step(self, *_) -> None:
+        self._optimizer[0] += time.perf_counter() - self._step_start[0]
+        self._optimizer[1] += time.process_time() - self._step_start[1]
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter(), time.process_time()))
         if name == "gen_end":
             self._update_open = True
+        if name == "iter_end":
+            self.marks.append(("optimizer", *self._optimizer))
+            self._optimizer = [0.0, 0.0]
 
     def mark_update_start(self) -> None:
         """Mark ``upd_start`` at the first call after generation only (TRL's forward is called often)."""
@@ -127,10 +172,14 @@ class Timeline:
                         update=now[i] - cur["upd_start"][i],
                         total=now[i] - prev[i],
                     )
-                    phases["other"] = phases["total"] - phases["generation"] - phases["scoring"] - phases["update"]
+                    phases["other"] = (
+                        phases["total"] - phases["generation"] - phases["scoring"] - phases["update"]
+                    )
                     row.update({prefix + k: v for k, v in phases.items()})
                 out.append(row)
                 cur, prev = {}, now
+            elif name == "optimizer":
+                out[-1].update(optimizer=now[0], cpu_optimizer=now[1])
             else:
                 cur[name] = now
         return out
@@ -165,11 +214,16 @@ def build_assets(folder: Path, models: tuple[str, ...] = ("small", "large")) -> 
         LlamaForCausalLM,
         LlamaForSequenceClassification,
     )
+    from transformers.utils import logging as hf_logging
 
     from lit_rlhf.models.tokenizer import train_bpe_tokenizer
 
+    hf_logging.disable_progress_bar()
+
     rng = random.Random(0)
-    syllables = "ka lo mi ne ru ta shi po an el or us ix be do fa gu he ji ko la mo nu pa qi ra se ti vu wo ya ze"
+    syllables = (
+        "ka lo mi ne ru ta shi po an el or us ix be do fa gu he ji ko la mo nu pa qi ra se ti vu wo ya ze"
+    )
     syllables = syllables.split()
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(12, 40))) for _ in range(4000)]
@@ -223,3 +277,8 @@ def load_json(path: Path):
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    # python scripts/bench/common.py DIR: build the assets once, e.g. for ppo_bench.py --profile
+    build_assets(Path(sys.argv[1]))

@@ -23,8 +23,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import PPO, RESULT_PREFIX, build_assets, child_env, log  # noqa: E402
-from report import flops_table, ppo_table, rm_table  # noqa: E402
+from common import PPO, RESULT_PREFIX, child_env, log  # noqa: E402
+from report import flops_table, ppo_table, rm_table, versions_line  # noqa: E402
 
 
 class Runner:
@@ -64,7 +64,9 @@ class Runner:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trl-python", default=".bench-venv/bin/python", help="python of the TRL venv")
     parser.add_argument("--a", default="lit", help="first implementation (numerator of the ratios)")
     parser.add_argument("--b", default="trl", help="second implementation (denominator)")
@@ -87,7 +89,9 @@ def main() -> None:
         if not (assets / "pairs.json").exists():
             log(f"building assets in {assets}")
             assets.mkdir(parents=True, exist_ok=True)
-            build_assets(assets)
+            # in a subprocess: this driver stays small, see common.peak_rss_mb
+            cmd = [sys.executable, str(HERE / "common.py"), str(assets)]
+            subprocess.run(cmd, env=child_env(args.threads), check=True, capture_output=True)
         runner = Runner(args, Path(tmp))
         results: dict = {"threads": args.threads, "a": args.a, "b": args.b}
         if "ppo" in sections:
@@ -112,6 +116,7 @@ def main() -> None:
         print(rm_table(results["rm"], args.a, args.b))
     if "flops" in results:
         print(flops_table(results["peak"], results["flops"], PPO))
+    print(versions_line(results))
     print(f"total benchmark time: {results['wall_s'] / 60:.1f} min")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -43,7 +43,9 @@ def best_rate(n: int, dtype, seconds: float) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=1.0, help="per dtype and size")
     args = parser.parse_args()

@@ -17,7 +17,17 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PPO, Timeline, default_optimizer, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
+from common import (
+    PPO,
+    Timeline,
+    default_optimizer,
+    emit,
+    load_json,
+    peak_rss_mb,
+    set_threads,
+    versions,
+    vm_hwm_mb,
+)  # noqa: E402
 
 
 def prompt_rows(assets: Path, n: int) -> list[list[int]]:
@@ -155,8 +165,12 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
     tokenizer = AutoTokenizer.from_pretrained(models / "actor", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(models / "reward", num_labels=1, dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(models / "reward", num_labels=1, dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(
+        models / "reward", num_labels=1, dtype=torch.float32
+    )
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        models / "reward", num_labels=1, dtype=torch.float32
+    )
     data = Dataset.from_dict({"input_ids": prompt_rows(Path(args.assets), PPO["batch"] * args.rollouts)})
     with tempfile.TemporaryDirectory() as root:
         config = PPOConfig(
@@ -207,7 +221,9 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--impl", choices=["lit", "trl"], required=True)
     parser.add_argument("--assets", required=True)
     parser.add_argument("--model", choices=["small", "large"], default="small")
@@ -239,6 +255,8 @@ def main() -> None:
             rollouts=timeline.rollouts(),
             update_flops=flops[0] if flops else None,
             peak_rss_mb=peak_rss_mb(),
+            vm_hwm_mb=vm_hwm_mb(),
+            versions=versions(args.impl),
         )
     )
 

@@ -22,8 +22,8 @@ def profiled(run, args, timeline, flops):
     started: list[float] = []
 
     def marking(name: str) -> None:
+        now = time.perf_counter()
         mark(name)
-        now = timeline.marks[-1][1]
         if name == "iter_end" and not started:
             prof.__enter__()
             started.append(time.perf_counter())
@@ -43,7 +43,9 @@ def _report(prof, phases: dict[str, float], bounds: dict[str, float]) -> str:
     for key in ("generation", "scoring", "update", "other", "total"):
         lines.append(f"  {key:<10} {phases[key]:7.3f}  {phases['cpu_' + key]:7.3f}")
     lines += ["", "top ops of the whole rollout by self CPU time:", ""]
-    lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    lines.append(
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    )
     if {"gen_start", "gen_end", "upd_start"} <= bounds.keys():
         per_phase: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-PHASES = ("total", "generation", "scoring", "update", "other")
+PHASES = ("total", "generation", "scoring", "update", "optimizer", "other")
 
 
 def _fmt(x: float) -> str:
@@ -17,8 +17,16 @@ def _spread(values: list[float]) -> str:
 
 def _row(name: str, a: list[float], b: list[float], target: str = "") -> str:
     ratios = [x / y for x, y in zip(a, b)] if all(b) else []
-    ratio = " / ".join(f"{r:.2f}" for r in (min(ratios), statistics.median(ratios), max(ratios))) if ratios else "-"
+    ratio = (
+        " / ".join(f"{r:.2f}" for r in (min(ratios), statistics.median(ratios), max(ratios)))
+        if ratios
+        else "-"
+    )
     return f"| {name} | {_spread(a)} | {_spread(b)} | {ratio} | {target} |"
+
+
+def _label(phase: str) -> str:
+    return "update: optimizer.step" if phase == "optimizer" else phase
 
 
 def _header(a: str, b: str) -> list[str]:
@@ -57,10 +65,10 @@ def ppo_table(pairs: list[tuple[dict, dict]], a: str, b: str, settings: dict) ->
         _row("rollout tokens/s per CPU-second", col(sa, "cpu_tok_s"), col(sb, "cpu_tok_s"), ">= 2.0x"),
     ]
     for phase in PHASES:
-        label = "s / rollout (wall)" if phase == "total" else f"- {phase} s"
+        label = "s / rollout (wall)" if phase == "total" else f"- {_label(phase)} s"
         lines.append(_row(label, col(sa, phase), col(sb, phase)))
     for phase in PHASES:
-        label = "CPU s / rollout" if phase == "total" else f"- {phase} CPU s"
+        label = "CPU s / rollout" if phase == "total" else f"- {_label(phase)} CPU s"
         lines.append(_row(label, col(sa, "cpu_" + phase), col(sb, "cpu_" + phase)))
     lines.append(_row("peak RSS MB", col(sa, "peak_rss_mb"), col(sb, "peak_rss_mb"), "<= 0.8x"))
     return "\n".join(lines) + "\n"
@@ -71,7 +79,12 @@ def rm_table(pairs: list[tuple[dict, dict]], a: str, b: str) -> str:
         f"### Reward model: hidden-64 2-layer GPT-2, {len(pairs)} runs each",
         "",
         *_header(a, b),
-        _row("pairs/s (wall)", [x["pairs_per_s"] for x, _ in pairs], [y["pairs_per_s"] for _, y in pairs], ">= 1.5x"),
+        _row(
+            "pairs/s (wall)",
+            [x["pairs_per_s"] for x, _ in pairs],
+            [y["pairs_per_s"] for _, y in pairs],
+            ">= 1.5x",
+        ),
         _row(
             "pairs/s per CPU-second",
             [x["cpu_pairs_per_s"] for x, _ in pairs],
@@ -86,7 +99,9 @@ def rm_table(pairs: list[tuple[dict, dict]], a: str, b: str) -> str:
 def flops_table(peak: dict, run: dict, settings: dict) -> str:
     stats = ppo_run_stats(run)
     flops = run["update_flops"]
-    rows_tokens = settings["batch"] * (settings["prompt_len"] + settings["response_len"]) * settings["ppo_epochs"]
+    rows_tokens = (
+        settings["batch"] * (settings["prompt_len"] + settings["response_len"]) * settings["ppo_epochs"]
+    )
     estimate = 6 * (run["actor_params"] + run["critic_params"]) * rows_tokens
     wall, cpu = flops / stats["update"] / 1e9, flops / stats["cpu_update"] / 1e9
     lines = [
@@ -99,6 +114,7 @@ def flops_table(peak: dict, run: dict, settings: dict) -> str:
         f"| matmul peak bf16, GFLOP/s | {peak['bf16_gflops']:.2f} | {peak['bf16_cpu_gflops']:.2f} |",
         f"| update FLOPs / rollout (FlopCounterMode; 6*N*D = {estimate / 1e9:.0f} G) | {flops / 1e9:.0f} G | |",
         f"| update time / rollout, s | {stats['update']:.2f} | {stats['cpu_update']:.2f} |",
+        f"| - of which optimizer.step, s | {stats['optimizer']:.2f} | {stats['cpu_optimizer']:.2f} |",
         f"| update achieved, GFLOP/s | {wall:.1f} | {cpu:.1f} |",
         f"| fraction of fp32 peak (target >= 30%) | {wall / peak['fp32_gflops']:.0%} "
         f"| {cpu / peak['fp32_cpu_gflops']:.0%} |",
@@ -106,3 +122,14 @@ def flops_table(peak: dict, run: dict, settings: dict) -> str:
         f"| peak RSS MB | {run['peak_rss_mb']:.0f} | |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def versions_line(results: dict) -> str:
+    """Package versions of each implementation, from its first run."""
+    seen: dict[str, dict] = {}
+    for key in ("ppo", "rm"):
+        for pair in results.get(key, []):
+            for side, run in zip(("a", "b"), pair):
+                seen.setdefault(results[side], run.get("versions", {}))
+    parts = [f"{impl}: " + ", ".join(f"{k} {v}" for k, v in vers.items()) for impl, vers in seen.items()]
+    return "versions - " + "; ".join(parts) if parts else ""

@@ -17,7 +17,17 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RM, StepClock, default_optimizer, emit, load_json, peak_rss_mb, set_threads  # noqa: E402
+from common import (
+    RM,
+    StepClock,
+    default_optimizer,
+    emit,
+    load_json,
+    peak_rss_mb,
+    set_threads,
+    versions,
+    vm_hwm_mb,
+)  # noqa: E402
 
 
 def run_lit(args, clock: StepClock) -> None:
@@ -39,7 +49,11 @@ def run_lit(args, clock: StepClock) -> None:
         scheduler=None,
     )
     rows = [
-        {"prompt_input_ids": p["prompt"], "chosen_input_ids": p["chosen"], "rejected_input_ids": p["rejected"]}
+        {
+            "prompt_input_ids": p["prompt"],
+            "chosen_input_ids": p["chosen"],
+            "rejected_input_ids": p["rejected"],
+        }
         for p in load_json(Path(args.assets) / "pairs.json")
     ]
     loader = torch.utils.data.DataLoader(
@@ -111,7 +125,9 @@ def run_trl(args, clock: StepClock) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--impl", choices=["lit", "trl"], required=True)
     parser.add_argument("--assets", required=True)
     parser.add_argument("--steps", type=int, default=80, help="timed optimiser steps")
@@ -134,6 +150,8 @@ def main() -> None:
             pairs_per_s=pairs / (clock.wall[-1] - clock.wall[start]),
             cpu_pairs_per_s=pairs / (clock.cpu[-1] - clock.cpu[start]),
             peak_rss_mb=peak_rss_mb(),
+            vm_hwm_mb=vm_hwm_mb(),
+            versions=versions(args.impl),
         )
     )
 
