@@ -62,15 +62,22 @@ def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 def causal_lm_logits_and_hidden(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and the final hidden state from one forward (for a ``ValueHead`` sharing the backbone).
 
+    Args:
+        logits_to_keep: > 0 applies the LM head to the last ``logits_to_keep`` positions only (HF's
+            ``logits_to_keep``): PPO needs the response's logits only, and the head's (L, H) x (H, V)
+            matmul and its backward over the prompt positions are wasted work (with P = T about half
+            the head's FLOPs: ~14% of Qwen2.5-0.5B's, whose head is 27% of its weights).
+
     Returns:
-        logits (B, L, V) and hidden (B, L, H), the last hidden state (after the final norm) that the
-        LM head reads.
+        logits (B, L, V) (or (B, logits_to_keep, V)) and hidden (B, L, H), the last hidden state (after
+        the final norm) that the LM head reads.
     """
-    out = model(**_forward_kwargs(input_ids, attention_mask), output_hidden_states=True)
+    extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    out = model(**_forward_kwargs(input_ids, attention_mask), output_hidden_states=True, **extra)
     return out.logits, out.hidden_states[-1]
 
 

@@ -54,6 +54,70 @@ class WarmupCosineLR(LRScheduler):
         return [base_lr * factor for base_lr in self.base_lrs]
 
 
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` that runs torch's fused kernel wherever torch has one for the parameters.
+
+    Same update rule and arguments; only the default kernel differs. torch defaults to its multi-tensor
+    kernel on CUDA only and loops over the parameters in Python on CPU, which costs more than the
+    update itself for small models; the fused kernel updates a whole parameter group in one call
+    (transformers and TRL default to it too: ``optim="adamw_torch_fused"``). ``fused=False`` or
+    ``foreach=True`` restores torch's choice, which is also kept for anything but plain floating-point
+    ``nn.Parameter``s on a device with a fused kernel (e.g. FSDP's sharded DTensor/FlatParameter).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        params = [_materialised(item) for item in params]  # iterated twice: check, then torch
+        if fused is None and foreach is None and not differentiable:
+            fused = _fused_kernel_available(params)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused or None,
+        )
+
+
+def _materialised(item):
+    """A parameter group's ``params`` as a list (a generator could be consumed only once)."""
+    if isinstance(item, dict) and not isinstance(item["params"], torch.Tensor):
+        return {**item, "params": list(item["params"])}
+    return item
+
+
+def _fused_kernel_available(params: list) -> bool:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    groups = [item["params"] if isinstance(item, dict) else [item] for item in params]
+    groups = [[group] if isinstance(group, torch.Tensor) else group for group in groups]
+    # torch also accepts (name, parameter) pairs
+    tensors = [p[1] if isinstance(p, tuple) else p for group in groups for p in group]
+    devices = _get_fused_kernels_supported_devices()
+    return all(
+        type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in devices for p in tensors
+    )
+
+
 def resolve_total_steps(scheduler: object, total_steps: int | float) -> None:
     """Fill in ``total_steps`` of a :class:`WarmupCosineLR` left at -1 (other schedulers are untouched)."""
     if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps < 0:

@@ -28,7 +28,7 @@ from lit_rlhf.modules.distributed import (
     shard_models,
     unwrap,
 )
-from lit_rlhf.modules.optim import resolve_total_steps
+from lit_rlhf.modules.optim import AdamW, resolve_total_steps
 from lit_rlhf.modules.ppo_bookkeeping import PPOBookkeeping
 from lit_rlhf.modules.ppo_parts import (
     PPO_METRICS,
@@ -129,8 +129,8 @@ class PPOModule(PPOBookkeeping):
         log_samples_every: int = 10,
         num_log_samples: int = 4,
         rng_seed: int = 0,
-        actor_optimizer: OptimizerCallable = torch.optim.AdamW,
-        critic_optimizer: OptimizerCallable = torch.optim.AdamW,
+        actor_optimizer: OptimizerCallable = AdamW,
+        critic_optimizer: OptimizerCallable = AdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
         critic_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -304,7 +304,13 @@ class PPOModule(PPOBookkeeping):
         """loss = L_policy - c_e * H + c_v * L_V (seeds/002) on one micro-batch."""
         hp, mask, T = self.hparams, part.response_mask, part.response_mask.shape[1]
         logprobs, entropy, values = policy_forward(
-            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, self.value_head
+            self.actor,
+            part.input_ids,
+            part.attention_mask,
+            T,
+            self.generation.temperature,
+            self.value_head,
+            entropy_grad=hp.ent_coef > 0,
         )
         if self.critic is not None:
             values = critic_values(self.critic, part.input_ids, part.attention_mask, T)

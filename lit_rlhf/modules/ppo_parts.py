@@ -49,6 +49,7 @@ def policy_forward(
     response_length: int,
     temperature: float,
     value_head: torch.nn.Module | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of the response tokens, and shared-backbone values, from one forward.
 
@@ -56,16 +57,21 @@ def policy_forward(
         actor: causal LM. input_ids, attention_mask: (B, P+T). response_length: T.
         temperature: the sampling temperature (logits are divided by it, as during generation).
         value_head: the critic's head when it shares the actor's backbone, else None.
+        entropy_grad: build the entropy's autograd graph (only needed when it is in the loss).
 
     Returns:
         logprobs (B, T) float32, entropy (B, T) float32, values (B, T) float32 or None.
     """
-    logits, hidden = causal_lm_logits_and_hidden(actor, input_ids, attention_mask)
-    # Position P-1+t predicts response token t.
+    # Position P-1+t predicts response token t: only the last T+1 positions need the LM head.
+    logits, hidden = causal_lm_logits_and_hidden(
+        actor, input_ids, attention_mask, logits_to_keep=response_length + 1
+    )
     logits = logits[:, -response_length - 1 : -1]
     labels = input_ids[:, -response_length:]
     logprobs = logprobs_from_logits(logits, labels, temperature=temperature)
-    entropy = entropy_from_logits(logits, temperature=temperature)
+    # With ent_coef = 0 the entropy is only logged: without a graph its float32 softmax is neither kept
+    # nor recomputed in backward.
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
     values = None
     if value_head is not None:
         values = value_head(hidden[:, -response_length - 1 : -1])

@@ -9,7 +9,7 @@ from typing_extensions import override
 
 from lit_rlhf.functional import pairwise_reward_loss
 from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
-from lit_rlhf.modules.optim import WarmupCosineLR
+from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.single import SingleModelModule
 
 
@@ -70,7 +70,7 @@ class RewardModelModule(SingleModelModule):
     def __init__(
         self,
         model: ModelSpec,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
+        optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,

@@ -16,7 +16,7 @@ from lit_rlhf.models import (
 from lit_rlhf.modules.distributed import (
     generation_context,
 )
-from lit_rlhf.modules.optim import WarmupCosineLR
+from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
 
@@ -35,7 +35,7 @@ class SFTModule(SingleModelModule):
     def __init__(
         self,
         model: ModelSpec,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
+        optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
         sample_max_new_tokens: int = 48,

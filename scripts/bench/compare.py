@@ -102,6 +102,9 @@ def main() -> None:
             results["rm"] = runner.alternate(
                 "rm_bench.py", "--steps", str(args.rm_steps), "--warmup", str(args.rm_warmup)
             )
+        if "flops" in sections and args.a.startswith("trl"):
+            log("skipping the FLOP-utilisation run: it measures lit_rlhf (A), not TRL")
+            sections.discard("flops")
         if "flops" in sections:
             log("matmul peak, then lit_rlhf PPO on the >= 20M-parameter model")
             results["peak"] = runner.run("matmul_peak.py", "lit")
