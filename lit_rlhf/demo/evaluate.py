@@ -78,9 +78,9 @@ def evaluate_reward_model(rm_dir: str | Path, pairs_path: str | Path) -> dict:
 class GoldAccuracy(Callback):
     """Log ``val/gold_accuracy`` of a :class:`~lit_rlhf.modules.RewardModelModule` after each validation.
 
-    The validation pairs are scored again batch by batch (the module's validation step returns no
-    scores) and compared with the gold rewards of the same rows of ``pairs_path``, which must be the
-    DataModule's ``val_path`` (its validation loader keeps the file order).
+    The scores of the module's own validation forwards (chosen rows first, then rejected, per batch) are
+    read with a forward hook and compared with the gold rewards of the same rows of ``pairs_path``,
+    which must be the DataModule's ``val_path`` (its validation loader keeps the file order).
 
     Args:
         pairs_path: jsonl file of the validation pairs with ``gold_chosen`` and ``gold_rejected``.
@@ -88,29 +88,25 @@ class GoldAccuracy(Callback):
 
     def __init__(self, pairs_path: str) -> None:
         rows = read_jsonl(pairs_path)
-        self.pairs_path = pairs_path
         self.gold = torch.tensor([[r["gold_chosen"], r["gold_rejected"]] for r in rows], dtype=torch.float64)
         self.scores: list[torch.Tensor] = []
+        self._hook = None
+
+    def _record(self, module, inputs, scores: torch.Tensor) -> None:
+        self.scores.append(torch.stack(scores.detach().double().cpu().chunk(2), dim=1))
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.scores = []
-
-    @override
-    @torch.no_grad()
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        scores = pl_module(batch["input_ids"], batch["attention_mask"]).double().cpu()
-        self.scores.append(torch.stack(scores.chunk(2), dim=1))
+        self._hook = pl_module.register_forward_hook(self._record)
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._hook.remove()
         if trainer.sanity_checking or not self.scores:
             return
         scores = torch.cat(self.scores)
-        if len(scores) != len(self.gold):  # e.g. limit_val_batches: only the rows seen are compared
-            gold = self.gold[: len(scores)]
-        else:
-            gold = self.gold
+        gold = self.gold[: len(scores)]  # limit_val_batches: the rows seen, in file order
         accuracy = gold_accuracy(scores[:, 0], scores[:, 1], gold[:, 0], gold[:, 1])
         pl_module.log("val/gold_accuracy", accuracy, prog_bar=True)
 
