@@ -193,6 +193,19 @@ def test_saved_dataset_dict_split(tokenizer_dir, tmp_path):
         PromptDataModule(tokenizer_dir, str(tmp_path / "dd"), split="dev").setup()
 
 
+@pytest.mark.parametrize("file_type", ["jsonl", "parquet", "csv"])
+def test_a_slice_of_a_local_file(file_type, tokenizer_dir, tmp_path):
+    rows = [{"prompt": f"{p} {i}"} for i, (p, _, _) in enumerate(ITEMS * 4)]  # 12 distinct prompts
+    path = write_rows(rows, tmp_path, file_type)
+    dm = PromptDataModule(tokenizer_dir, path, split="train[:5]", val_path=path, val_split="train[-2:]")
+    dm.setup()
+    decoded = [dm.tokenizer.decode(r["prompt_input_ids"], skip_special_tokens=True) for r in dm.train_dataset]
+    assert decoded == [r["prompt"] for r in rows[:5]]
+    assert len(dm.val_dataset) == 2
+    with pytest.raises(DataFormatError, match=r"data\.\w+.*cannot read the data.*test"):
+        PromptDataModule(tokenizer_dir, path, split="test").setup()
+
+
 # ----------------------------------------------------------------------------------------- length limits
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
 def test_length_policies_and_counts(policy, tokenizer, tokenizer_dir, tmp_path):

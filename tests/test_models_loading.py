@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_corpus
+from conftest import gpt2_config, make_corpus
 from peft import PeftModel
 from transformers import (
     AutoConfig,
@@ -142,6 +142,26 @@ def test_export_round_trip_gives_identical_outputs(
     assert reloaded_tokenizer.pad_token_id == tokenizer.pad_token_id
     rebuilt = BUILDERS[role](spec, reloaded_tokenizer).eval()
     torch.testing.assert_close(outputs(rebuilt, role), before, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("role", ["policy", "score"])
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_models_loaded_from_a_folder_train_with_their_dropout(tokenizer, tokenizer_dir, tmp_path, role, lora):
+    # from_pretrained gives eval mode; an SFT or reward model loaded that way must still train with the
+    # dropout of its config (GPT-2's default dropout is 0.1).
+    config = gpt2_config(len(tokenizer))
+    source = BUILDERS[role](ModelSpec(config=config, tokenizer=tokenizer_dir), tokenizer)
+    export_pretrained(source, tokenizer, tmp_path / "m")
+    model = BUILDERS[role](ModelSpec(name_or_path=str(tmp_path / "m"), lora=lora), tokenizer)
+    assert all(module.training for module in model.modules())
+    with torch.no_grad():
+        assert not torch.equal(outputs_in_current_mode(model, role), outputs_in_current_mode(model, role))
+
+
+def outputs_in_current_mode(model, role: str) -> torch.Tensor:
+    if role == "policy":
+        return model(input_ids=IDS, attention_mask=MASK).logits
+    return token_values(model, IDS, MASK)
 
 
 def test_critic_from_a_policy_export_keeps_the_backbone_and_adds_a_seeded_head(

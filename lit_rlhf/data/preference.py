@@ -57,7 +57,8 @@ class PreferenceDataModule(RLHFDataModule):
             val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
             format: row format: "explicit", "implicit", "sharegpt", or "auto" to detect it from the columns.
-            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
+                a slice such as "train[:1200]".
             max_length: token limit of prompt + response (each of chosen and rejected).
             max_prompt_length: token limit of the prompt (its end is kept when truncating).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.

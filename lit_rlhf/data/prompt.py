@@ -53,7 +53,8 @@ class PromptDataModule(RLHFDataModule):
             val_batch_size: prompts per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
-            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
+                a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
             drop_last: drop the last incomplete training batch, so every rollout has ``batch_size`` prompts.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.

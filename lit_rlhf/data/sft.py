@@ -54,7 +54,8 @@ class SFTDataModule(RLHFDataModule):
             val_batch_size: rows per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
-            split: split to load from a hub dataset or saved DatasetDict (local files have only their rows).
+            split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
+                a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """

@@ -19,7 +19,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
 
     ``path`` is, in this order: a folder written by ``save_to_disk`` (``load_from_disk``; ``split`` picks
     a split of a saved ``DatasetDict``); a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file (its
-    rows, ``split`` is ignored); otherwise a hub dataset name or a folder of data files
+    one split is ``"train"``: all rows; a ``datasets`` slice of it such as ``"train[:1200]"`` keeps those
+    rows); otherwise a hub dataset name or a folder of data files
     (``load_dataset(path, split=split)``). Any failure is a :class:`DataFormatError` naming ``path``.
     """
     ext = os.path.splitext(path)[1].lower()
@@ -35,7 +36,7 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
         elif ext in FILE_BUILDERS:
             if not os.path.isfile(path):
                 raise DataFormatError(path, "file not found")
-            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", cache_dir=cache_dir)
+            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split=split, cache_dir=cache_dir)
         elif os.path.isfile(path):
             raise DataFormatError(path, f"unknown file type {ext!r}; expected one of {sorted(FILE_BUILDERS)}")
         else:

@@ -13,26 +13,29 @@
    (:mod:`lit_rlhf.demo.report`); TensorBoard logs stay in ``OUT/tb``.
 
 ``--overoptimize`` adds the reward over-optimisation run (Gao et al. 2022): a weaker proxy reward model
-(``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
-(``ppo_overoptimize.yaml``), whose gold and proxy rewards are plotted against the KL to the reference.
+(``rm_weak.yaml``: 75 steps on 2,400 pairs instead of 1,200 steps) optimised with a weak, fixed KL
+penalty (``ppo_overoptimize.yaml``), whose gold and proxy rewards are plotted against the KL to the reference.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import shutil
 import time
-import warnings
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-import torch
-import yaml
+_PROCESS_START = time.perf_counter()  # before the heavy imports below: they are part of the demo's wall time
 
-from lit_rlhf.demo import assets, evaluate, report
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from lit_rlhf.demo import assets, evaluate, report  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
 DEFAULT_ROOT = "runs/demo/"  # the prefix of every path in configs/demo/*.yaml
@@ -160,11 +163,16 @@ def evaluate_policies(out: Path, ppo_configs: dict[str, dict], eval_prompts: lis
     return results
 
 
-def run(out: Path, *, small: bool = False, overoptimize: bool = False, seed: int = 0) -> dict:
+def run(
+    out: Path, *, small: bool = False, overoptimize: bool = False, seed: int = 0, process_start: float | None = None
+) -> dict:
     """The whole demo into ``out``; returns the report dictionary (also written to ``out/report.json``)."""
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock()
     start = time.perf_counter()
+    if process_start is not None:  # python start-up and imports, when run as a command
+        clock.stages["startup"] = start - process_start
+        start = process_start
     manifest = clock.run("assets", build_or_reuse_assets, out / "assets", small, seed)
     runs = {stage: clock.run(stage, fit, stage, out, small) for stage in ("sft", "rm", "ppo")}
     if overoptimize:
@@ -211,7 +219,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    return run(Path(args.out), small=args.small, overoptimize=args.overoptimize, seed=args.seed)
+    process_start = _PROCESS_START if __name__ == "__main__" else None
+    return run(
+        Path(args.out), small=args.small, overoptimize=args.overoptimize, seed=args.seed, process_start=process_start
+    )
 
 
 if __name__ == "__main__":

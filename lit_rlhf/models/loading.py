@@ -80,7 +80,11 @@ def _enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def _prepare(model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task_type: str):
-    """Resize embeddings to the tokenizer, set pad/EOS ids, checkpointing and LoRA (in that order)."""
+    """Train mode; resize embeddings to the tokenizer, set pad/EOS ids, checkpointing and LoRA (in that order)."""
+    # from_pretrained returns eval mode and Lightning keeps each submodule's mode as it finds it, so without
+    # this a loaded SFT or reward model would train with its configured dropout silently off. Frozen
+    # models go through frozen_copy (eval); PPO switches dropout off explicitly (disable_dropout).
+    model.train()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         # The dedicated pad token (and chat-template tokens) may be new to a pretrained vocabulary.
         model.resize_token_embeddings(len(tokenizer))
