@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from lit_rlhf.demo import world
 from lit_rlhf.models.tokenizer import train_bpe_tokenizer
@@ -181,15 +182,18 @@ def build_assets(
     n_pref_val = math.ceil(n_pref_prompts * val_fraction)
     sft_train = _sft_rows(stream("sft_train"), n_sft, heldout=False)
     k = completions_per_prompt
-    data = {
-        "sft_train": sft_train,
-        "sft_val": _sft_rows(stream("sft_val"), n_sft_val, heldout=True),
-        "prompts_train": _train_prompts(stream("prompts_train"), n_prompts),
-        "prompts_eval": _eval_prompts(stream("prompts_eval"), n_eval_prompts),
-        "prefs_train": _pref_rows(stream("prefs_train"), n_pref_prompts, k, False, bt_temperature),
-        "prefs_val": _pref_rows(stream("prefs_val"), n_pref_val, k, True, bt_temperature),
+    builders = {
+        "sft_train": lambda: sft_train,
+        "sft_val": lambda: _sft_rows(stream("sft_val"), n_sft_val, heldout=True),
+        "prompts_train": lambda: _train_prompts(stream("prompts_train"), n_prompts),
+        "prompts_eval": lambda: _eval_prompts(stream("prompts_eval"), n_eval_prompts),
+        "prefs_train": lambda: _pref_rows(stream("prefs_train"), n_pref_prompts, k, False, bt_temperature),
+        "prefs_val": lambda: _pref_rows(stream("prefs_val"), n_pref_val, k, True, bt_temperature),
     }
-    paths = {name: _write_jsonl(out / f"{name}.jsonl", rows) for name, rows in data.items()}
+    data, paths = {}, {}
+    for name, build in tqdm(builders.items(), desc="demo assets", unit="file"):
+        data[name] = build()
+        paths[name] = _write_jsonl(out / f"{name}.jsonl", data[name])
 
     texts = [row["prompt"] + row["completion"] for row in sft_train]
     tokenizer = train_bpe_tokenizer(texts[:TOKENIZER_TEXTS], vocab_size=vocab_size)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from typing_extensions import override
 
@@ -130,7 +131,9 @@ def sample_policy(
     generator_state = torch.get_rng_state()
     torch.manual_seed(seed)
     rows = []
-    for part in chunked(len(prompts), batch_size):
+    for part in tqdm(
+        list(chunked(len(prompts), batch_size)), desc=f"sampling {Path(policy_dir).name}", unit="batch"
+    ):
         texts = list(prompts[part])
         enc = tokenizer(texts, padding=True, return_tensors="pt")
         responses, response_mask, truncated = generate_responses(
