@@ -99,23 +99,24 @@ def plot_rm_accuracy(scalars_by_run: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _samples_md(results: dict) -> str:
-    sft, ppo = results["sft"]["rows"], results["ppo"]["rows"]
+def _samples_md(results: dict, temperature: float) -> str:
+    """The first sampled responses of each policy on the same held-out prompts, with their gold rewards."""
+    names = [n for n in ("sft", "ppo", "ppo_overoptimize") if n in results]
     lines = [
         "# Sample responses on held-out prompts",
         "",
-        "One sampled response per prompt (temperature 1), before (SFT) and after PPO, with its gold reward"
+        f"One sampled response per prompt (temperature {temperature:g}) of each policy, with its gold reward"
         " (`*` = ungrammatical).",
         "",
-        "| prompt | SFT response | gold | PPO response | gold |",
-        "|---|---|---|---|---|",
+        "| prompt | " + " | ".join(f"{n.upper().replace('_', ' ')} response | gold" for n in names) + " |",
+        "|---|" + "---|---|" * len(names),
     ]
-    for a, b in list(zip(sft, ppo))[:SAMPLES_IN_REPORT]:
-        mark = {True: "", False: "*"}
-        lines.append(
-            f"| {a['prompt']} | {a['response']!s} | {a['gold']:+.1f}{mark[a['grammatical']]} "
-            f"| {b['response']!s} | {b['gold']:+.1f}{mark[b['grammatical']]} |"
-        )
+    for i, first in enumerate(results["sft"]["rows"][:SAMPLES_IN_REPORT]):
+        cells = [first["prompt"]]
+        for name in names:
+            row = results[name]["rows"][i]
+            cells += [row["response"], f"{row['gold']:+.1f}{'' if row['grammatical'] else '*'}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +154,8 @@ def write_report(
         plot_reward_vs_kl(curves[name], plots[name], title, init.get("kl_target"))
     plots["rm_accuracy"] = out / "rm_accuracy.png"
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
-    (out / "samples.md").write_text(_samples_md(results))
+    temperature = runs["ppo"]["config"]["model"]["init_args"].get("generation", {}).get("temperature", 1.0)
+    (out / "samples.md").write_text(_samples_md(results, temperature))
 
     sft, ppo = results["sft"]["summary"], results["ppo"]["summary"]
     kl_target = runs["ppo"]["config"]["model"]["init_args"].get("kl_target")
