@@ -159,8 +159,9 @@ class Timer(Callback):
 
 def ppo_module(args, lora: bool) -> RecordingPPO:
     # Greedy (top_k=1) rollouts make responses independent of how prompts are split across ranks.
-    # Whitening and token-mean losses are per rank, so runs match the single process exactly when
-    # every response has the full length T (asserted by the test) and advantages are not whitened.
+    # Whitening (rewards and advantages) uses the moments of all ranks; token-mean losses are per rank,
+    # so runs match the single process exactly when every response has the full length T (asserted by
+    # the test).
     lora_cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
     return RecordingPPO(
         actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0, lora=lora_cfg),
@@ -170,7 +171,7 @@ def ppo_module(args, lora: bool) -> RecordingPPO:
         ppo_epochs=2,
         num_minibatches=1,
         forward_batch_size=4,
-        whiten_advantages=False,
+        whiten_rewards=True,  # advantages are whitened by default
         log_samples_every=0,
         actor_optimizer=adamw(1e-2),
         critic_optimizer=adamw(1e-2),

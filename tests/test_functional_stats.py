@@ -1,4 +1,4 @@
-"""masked_mean / masked_var / masked_whiten / explained_variance: hand values and properties."""
+"""masked_mean / masked_var / masked_whiten (and its moments) / explained_variance: hand values, properties."""
 
 import math
 
@@ -7,7 +7,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lit_rlhf.functional import explained_variance, masked_mean, masked_var, masked_whiten
+from lit_rlhf.functional import (
+    explained_variance,
+    masked_mean,
+    masked_moments,
+    masked_var,
+    masked_whiten,
+    whiten_from_moments,
+)
 
 NAN = float("nan")
 # x = [[1, 2, pad], [4, pad, pad]] with garbage (nan, inf) at the padding
@@ -84,6 +91,35 @@ def test_whiten_gives_zero_mean_unit_variance(lengths, loc, scale, seed):
     torch.testing.assert_close(masked_mean(kept, mask), masked_mean(x, mask))
     torch.testing.assert_close(masked_var(kept, mask), var / (var + 1e-8))
     assert (white[~mask.bool()] == 0).all() and (kept[~mask.bool()] == 0).all()
+
+
+def test_masked_moments_hand_computed():
+    # real elements 1, 2, 4 (nan/inf padding ignored): count 3, sum 7, sum of squares 1 + 4 + 16 = 21
+    moments = masked_moments(X, MASK)
+    assert moments.dtype == torch.float64
+    torch.testing.assert_close(moments, torch.tensor([3.0, 7.0, 21.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least 2 real elements"):
+        whiten_from_moments(X, MASK, torch.tensor([1.0, 4.0, 16.0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=2, max_size=6),
+    cut=st.integers(1, 5),
+    loc=st.floats(-100, 100),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_whitening_shards_with_summed_moments_equals_whitening_the_whole(lengths, cut, loc, seed):
+    # What data-parallel ranks do: each whitens its rows with the moments summed over all ranks.
+    assume(sum(lengths) >= 2 and cut < len(lengths))
+    mask = torch.tensor([[1] * n + [0] * (max(lengths) + 1 - n) for n in lengths])
+    x = loc + torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
+    shards = [(x[:cut], mask[:cut]), (x[cut:], mask[cut:])]
+    total = sum(masked_moments(xs, ms) for xs, ms in shards)
+    for shift_mean in (True, False):
+        whole = masked_whiten(x, mask, shift_mean=shift_mean)
+        parts = torch.cat([whiten_from_moments(xs, ms, total, shift_mean) for xs, ms in shards])
+        torch.testing.assert_close(parts, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_explained_variance_hand_computed():

@@ -3,10 +3,11 @@
     python -m lit_rlhf.demo.pipeline --out runs/demo [--small] [--no-overoptimize] [--threads N]
 
 1. builds the demo assets into ``OUT/assets`` (skipped when built before with the same settings);
-2. runs the three fits through the CLI, ``lit-rlhf fit --config OUT/configs/<stage>.yaml``, where each
+2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<stage>.yaml``, where each
    config is ``configs/demo/<stage>.yaml`` with its ``runs/demo/`` paths moved under ``OUT`` (and, with
    ``--small``, tiny sizes): SFT from scratch; the reward model from the SFT export; PPO with the SFT
-   export as actor and reference and the reward model as proxy reward and critic initialisation;
+   export as actor and reference and the reward model as proxy reward and critic initialisation
+   (then the weak reward model and the over-optimisation PPO run, see below);
 3. evaluates the SFT and PPO policies on the held-out evaluation prompts and the reward model on the
    held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`);
 4. writes ``OUT/report.md``, ``OUT/report.json``, ``OUT/samples.md`` and PNG plots

@@ -19,7 +19,14 @@ from lit_rlhf.functional.losses import (
     pairwise_reward_loss,
     ppo_policy_loss,
 )
-from lit_rlhf.functional.stats import explained_variance, masked_mean, masked_var, masked_whiten
+from lit_rlhf.functional.stats import (
+    explained_variance,
+    masked_mean,
+    masked_moments,
+    masked_var,
+    masked_whiten,
+    whiten_from_moments,
+)
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -36,8 +43,10 @@ __all__ = [
     "kl_shaped_rewards",
     "logprobs_from_logits",
     "masked_mean",
+    "masked_moments",
     "masked_var",
     "masked_whiten",
+    "whiten_from_moments",
     "pairwise_reward_loss",
     "ppo_policy_loss",
 ]

@@ -12,7 +12,7 @@ import torch
 
 from lit_rlhf.functional._checks import as_float, check_same_shape
 
-__all__ = ["explained_variance", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["explained_variance", "masked_mean", "masked_moments", "masked_var", "masked_whiten", "whiten_from_moments"]
 
 # Added to the variance before the square root so a constant input whitens to 0 instead of nan
 # (the constant used by TRL and OpenAI's lm-human-preferences).
@@ -70,6 +70,57 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[count, sum, sum of squares] of the real elements of ``x``: moments that add up across shards.
+
+    Summing the moments of several shards (e.g. ``all_reduce`` over data-parallel ranks) and whitening
+    each shard with :func:`whiten_from_moments` whitens with the statistics of all of them together.
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape as ``x``; 1/True for real elements.
+
+    Returns:
+        (3,) float64 tensor (float64 so that the one-pass variance keeps its precision).
+    """
+    check_same_shape("masked_moments", x=x, mask=mask)
+    mask = mask.bool()
+    x = torch.where(mask, x.double(), 0.0)
+    return torch.stack([mask.sum().double(), x.sum(), x.square().sum()])
+
+
+def whiten_from_moments(
+    x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) with mean and unbiased var from ``moments`` (see :func:`masked_moments`).
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape; 1/True for real elements.
+        moments: (3,) [count, sum, sum of squares], of ``x`` alone or summed over shards; count >= 2.
+        shift_mean: subtract the mean (True) or keep it (False).
+
+    Returns:
+        float32 (float64 kept) tensor shaped like ``x``, 0 at padded positions.
+
+    Raises:
+        ValueError: fewer than two real elements in ``moments`` (the variance is undefined).
+    """
+    check_same_shape("whiten_from_moments", x=x, mask=mask)
+    count, total, total_sq = moments.double().unbind()
+    n = int(count)
+    if n < 2:
+        raise ValueError(f"whitening needs at least 2 real elements, the moments count {n}")
+    mean = total / count
+    var = ((total_sq - count * mean.square()) / (count - 1)).clamp(min=0.0)
+    x = as_float(x)
+    mean, var = mean.to(x.dtype), var.to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0.0)
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Whiten the real elements of ``x``: (x - mean) / sqrt(var + 1e-8), statistics over real elements.
 
@@ -84,14 +135,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     Returns:
         float32 (float64 kept) tensor shaped like ``x``, 0 at padded positions.
     """
-    mask = mask.bool()
-    x = as_float(x)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
-    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask, whitened, 0.0)
+    return whiten_from_moments(x, mask, masked_moments(x, mask), shift_mean)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from lit_rlhf.modules.ppo_parts import (
     masked_row_sum,
     policy_forward,
     validate_ppo_args,
+    whiten_across_ranks,
 )
 from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
 
@@ -78,7 +79,7 @@ class PPOModule(PPOBookkeeping):
         beta_target: target KL(old || new) per token of the ``kl_penalty`` policy loss.
         ratio_threshold: skip a minibatch whose mean ratio exceeds this (None = never skip).
         max_grad_norm: gradient-norm clip per optimiser (None = off).
-        whiten_advantages: whiten advantages per rollout (mean 0, std 1 over real tokens).
+        whiten_advantages: whiten advantages per rollout (mean 0, std 1 over the real tokens of all ranks).
         whiten_rewards: whiten the shaped rewards (keeping their mean) before GAE.
         score_clip: clip scores to [-score_clip, score_clip] (None = off).
         missing_eos_penalty: subtracted from the score of a response truncated without a stop token.
@@ -196,9 +197,7 @@ class PPOModule(PPOBookkeeping):
             scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, self.hparams.kl_estimator
         )
         if self.hparams.whiten_rewards:
-            rewards = torch.where(
-                response_mask, F.masked_whiten(rewards, response_mask, shift_mean=False), 0.0
-            )
+            rewards = whiten_across_ranks(self.trainer.strategy, rewards, response_mask, shift_mean=False)
         advantages, returns = F.compute_gae(
             rewards, old_values, response_mask, self.hparams.gamma, self.hparams.gae_lambda
         )
@@ -206,7 +205,7 @@ class PPOModule(PPOBookkeeping):
             scores, rewards, kl, response_mask, truncated, entropy, old_values, advantages, returns
         )
         if self.hparams.whiten_advantages:
-            advantages = torch.where(response_mask, F.masked_whiten(advantages, response_mask), 0.0)
+            advantages = whiten_across_ranks(self.trainer.strategy, advantages, response_mask)
         rollout = Rollout(
             input_ids, attention_mask, response_mask, old_logprobs, ref_logprobs,
             old_values, rewards, advantages, returns, scores,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
-from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits
+from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits, masked_moments, whiten_from_moments
 from lit_rlhf.models import causal_lm_logits_and_hidden, sequence_scores, token_values
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
@@ -207,6 +207,18 @@ class RewardSource(torch.nn.Module):
 def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) -> (B,) sum over each row's real tokens."""
     return torch.where(mask, x, 0.0).sum(dim=1)
+
+
+def whiten_across_ranks(
+    strategy: Any, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True
+) -> torch.Tensor:
+    """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
+
+    One all-reduce of three numbers (count, sum, sum of squares), so a run on N ranks whitens like one
+    process holding the N rollouts; ``strategy.reduce`` is the identity on a single device.
+    """
+    moments = strategy.reduce(masked_moments(x, mask), reduce_op="sum")
+    return whiten_from_moments(x, mask, moments, shift_mean)
 
 
 def validate_ppo_args(hp: Any) -> None:
