@@ -22,7 +22,7 @@ REQUIRED_KEYS = (
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
-    pipeline.main(["--out", str(out), "--small", "--overoptimize"])
+    pipeline.main(["--out", str(out), "--small"])  # the over-optimisation run is on by default
     return out
 
 
@@ -40,6 +40,8 @@ def test_small_pipeline_writes_the_report(small_run):
     assert summary["sft_kl_ref"] == 0.0
     assert 0.0 <= summary["rm_val_accuracy"] <= 1.0
     assert summary["max_new_tokens"] >= summary["max_response_tokens"]
+    assert summary["ppo_kl_budget"] == report.KL_BUDGET
+    assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
 
 
 def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
