@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--overoptimize",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run the weak-RM, weak-KL over-optimisation demo (default: on; ~2 of the ~9 minutes)",
+        help="also run the weak-RM, weak-KL over-optimisation demo (default: on; ~1.5 of the ~8 minutes)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
