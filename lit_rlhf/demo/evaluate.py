@@ -25,7 +25,7 @@ from lit_rlhf.data import PreferenceCollator
 from lit_rlhf.demo import world
 from lit_rlhf.demo.assets import gold_accuracy
 from lit_rlhf.models import load_tokenizer, sequence_scores
-from lit_rlhf.modules.ppo_parts import chunked, policy_forward
+from lit_rlhf.modules.ppo_parts import chunked, masked_row_sum, policy_forward
 from lit_rlhf.rollout import GenerationSettings, generate_responses
 
 
@@ -145,7 +145,7 @@ def sample_policy(
         T = responses.shape[1]
         logprobs, _, _ = policy_forward(policy, input_ids, attention_mask, T, generation.temperature)
         ref_logprobs, _, _ = policy_forward(reference, input_ids, attention_mask, T, generation.temperature)
-        kl = torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(1)
+        kl = masked_row_sum(logprobs - ref_logprobs, response_mask)  # k1 summed over the response
         proxy = sequence_scores(reward_model, input_ids, attention_mask)
         for i, prompt in enumerate(texts):
             response = tokenizer.decode(responses[i][response_mask[i]], skip_special_tokens=True)

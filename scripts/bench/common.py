@@ -110,6 +110,11 @@ def versions(impl: str) -> dict[str, str]:
     return {name: metadata.version(name) for name in names}
 
 
+def footprint(impl: str) -> dict:
+    """What every benchmark run reports besides its timings: peak memory and package versions."""
+    return dict(peak_rss_mb=peak_rss_mb(), vm_hwm_mb=vm_hwm_mb(), versions=versions(impl))
+
+
 def emit(result: dict) -> None:
     """Print the run's result as one prefixed JSON line for the driver."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)

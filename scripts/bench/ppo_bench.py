@@ -22,11 +22,9 @@ from common import (
     Timeline,
     default_optimizer,
     emit,
+    footprint,
     load_json,
-    peak_rss_mb,
     set_threads,
-    versions,
-    vm_hwm_mb,
 )  # noqa: E402
 
 
@@ -254,9 +252,7 @@ def main() -> None:
             tokens_per_rollout=PPO["batch"] * PPO["response_len"],
             rollouts=timeline.rollouts(),
             update_flops=flops[0] if flops else None,
-            peak_rss_mb=peak_rss_mb(),
-            vm_hwm_mb=vm_hwm_mb(),
-            versions=versions(args.impl),
+            **footprint(args.impl),
         )
     )
 

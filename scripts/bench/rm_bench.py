@@ -22,11 +22,9 @@ from common import (
     StepClock,
     default_optimizer,
     emit,
+    footprint,
     load_json,
-    peak_rss_mb,
     set_threads,
-    versions,
-    vm_hwm_mb,
 )  # noqa: E402
 
 
@@ -149,9 +147,7 @@ def main() -> None:
             steps=len(clock.wall),
             pairs_per_s=pairs / (clock.wall[-1] - clock.wall[start]),
             cpu_pairs_per_s=pairs / (clock.cpu[-1] - clock.cpu[start]),
-            peak_rss_mb=peak_rss_mb(),
-            vm_hwm_mb=vm_hwm_mb(),
-            versions=versions(args.impl),
+            **footprint(args.impl),
         )
     )
 
