@@ -94,3 +94,16 @@ def test_field_docs_show_in_help(parser, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "hub id or local folder" in help_text
     assert "seed of every random initialisation" in help_text
+
+
+def test_coerce_accepts_what_a_python_user_passes():
+    spec = ModelSpec(name_or_path="a")
+    assert ModelSpec.coerce(spec) is spec
+    assert ModelSpec.coerce("runs/x") == ModelSpec(name_or_path="runs/x")
+    assert ModelSpec.coerce({"name_or_path": "b", "dtype": "bfloat16"}) == ModelSpec(name_or_path="b", dtype="bfloat16")
+    with pytest.raises(TypeError, match=r"actor: unknown ModelSpec field\(s\) \['path'\]"):
+        ModelSpec.coerce({"path": "b"}, "actor")
+    with pytest.raises(TypeError, match="reward_model: expected a ModelSpec"):
+        ModelSpec.coerce(3, "reward_model")
+    with pytest.raises(ValueError, match="exactly one of"):
+        ModelSpec.coerce({}, "actor")

@@ -97,3 +97,31 @@ class ModelSpec:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @classmethod
+    def coerce(cls, value: Any, argument: str = "model") -> ModelSpec:
+        """A ``ModelSpec`` from what a Python user passes: a spec, a dict of its fields or a path string.
+
+        Args:
+            value: ``ModelSpec``, ``dict`` (its fields) or ``str`` (``name_or_path``).
+            argument: the constructor argument it was given as (named in error messages).
+
+        Raises:
+            TypeError: for any other type, or a dict with unknown fields.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(name_or_path=value)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise TypeError(
+                    f"{argument}: unknown ModelSpec field(s) {unknown}; "
+                    f"valid ones are {[f.name for f in dataclasses.fields(cls)]}"
+                )
+            return cls(**value)
+        raise TypeError(
+            f"{argument}: expected a ModelSpec, a dict of its fields or a model path string, "
+            f"got {type(value).__name__}"
+        )
