@@ -1,4 +1,4 @@
-"""The experience of one PPO rollout, the replay buffer over it, and response generation.
+"""The experience of one online-RL rollout, the replay buffer over it, and response generation.
 
 Shapes: B rollout rows, P prompt length (left-padded), T response length (right-padded).
 Field names are those of the PPO batch in seeds/002.
@@ -7,7 +7,8 @@ Field names are those of the PPO batch in seeds/002.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ class GenerationSettings:
         top_p: nucleus sampling mass (1.0 = off).
         stop_token_ids: extra token ids that end a response besides the tokenizer's EOS.
         stop_strings: strings that end a response (matched on decoded text by ``generate``).
+        num_samples: K responses sampled per prompt (K >= 1); the rollout holds prompts x K rows, each
+            prompt's K rows contiguous. Group estimators (GRPO, RLOO, ...) need K >= 2.
     """
 
     max_new_tokens: int = 32
@@ -35,6 +38,7 @@ class GenerationSettings:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
+    num_samples: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -45,6 +49,36 @@ class GenerationSettings:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+        if self.num_samples < 1:
+            raise ValueError(f"generation.num_samples must be >= 1, got {self.num_samples}")
+
+    @classmethod
+    def coerce(cls, value: Any, argument: str = "generation") -> GenerationSettings:
+        """Settings from what a user passes: ``GenerationSettings``, a dict of its fields, or None (defaults).
+
+        Raises:
+            TypeError: another type, or a dict with unknown fields (named with ``argument``).
+            ValueError: a field out of range (from the checks above).
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            names = [f.name for f in fields(cls)]
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise TypeError(
+                    f"{argument}: unknown GenerationSettings field(s) {unknown}; valid ones are {names}"
+                )
+            return cls(**value)
+        raise TypeError(
+            f"{argument}: expected GenerationSettings or a dict of its fields, got {type(value).__name__}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain fields (what ``hparams.yaml`` stores)."""
+        return asdict(self)
 
 
 def response_mask_from_tokens(
@@ -113,7 +147,7 @@ def generate_responses(
     tokenizer: object | None = None,
     synced_gpus: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample one response per left-padded prompt.
+    """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
 
     Args:
         model: causal LM (or peft model) with ``generate``.
@@ -145,6 +179,9 @@ def generate_responses(
 class Rollout:
     """One rollout's experience (seeds/002's PPO batch), detached, on one device.
 
+    A critic-free rollout has no ``old_values`` and ``returns`` (None), and ``rewards`` only where the
+    estimator shapes per-token rewards (REINFORCE++).
+
     Attributes:
         input_ids: (B, P+T) prompt (left-padded) followed by the response (right-padded).
         attention_mask: (B, P+T) 1 on real prompt and response tokens.
@@ -163,10 +200,10 @@ class Rollout:
     response_mask: torch.Tensor
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    old_values: torch.Tensor
-    rewards: torch.Tensor
+    old_values: torch.Tensor | None
+    rewards: torch.Tensor | None
     advantages: torch.Tensor
-    returns: torch.Tensor
+    returns: torch.Tensor | None
     scores: torch.Tensor
 
     @property
@@ -180,7 +217,8 @@ class Rollout:
 
     def select(self, index: torch.Tensor | slice) -> Rollout:
         """The rows ``index`` of every field."""
-        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: v[index] for name, v in values.items() if v is not None})
 
 
 class ReplayBuffer:

@@ -98,8 +98,7 @@ def test_kl_penalty_objective_raises_the_reward_and_adapts_beta(tokenizer_dir, t
 
 
 def test_lora_actor_reference_is_the_adapter_free_actor(tokenizer_dir):
-    from lit_rlhf.models import build_causal_lm, frozen_copy, load_tokenizer
-    from lit_rlhf.modules.ppo_parts import policy_forward
+    from lit_rlhf.models import build_causal_lm, frozen_copy, load_tokenizer, policy_forward
 
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
     module = tiny_ppo(

@@ -8,7 +8,7 @@ from conftest import gpt2_config
 from ppo_helpers import prompt_loader, tiny_ppo, trainer
 
 from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer, sequence_scores
-from lit_rlhf.modules.ppo_parts import RewardSource, import_reward_fn
+from lit_rlhf.rewards import RewardSource, import_reward_fn
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,7 @@ import torch
 from conftest import gpt2_config, llama_config
 from ppo_helpers import prompt_loader
 
-from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
-from lit_rlhf.modules.ppo_parts import policy_forward
+from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer, policy_forward
 from lit_rlhf.rollout import (
     GenerationSettings,
     ReplayBuffer,

@@ -24,8 +24,8 @@ from typing_extensions import override
 from lit_rlhf.data import PreferenceCollator
 from lit_rlhf.demo import world
 from lit_rlhf.demo.assets import gold_accuracy
-from lit_rlhf.models import load_tokenizer, sequence_scores
-from lit_rlhf.modules.ppo_parts import chunked, masked_row_sum, policy_forward
+from lit_rlhf.functional import masked_row_sum
+from lit_rlhf.models import chunked, load_tokenizer, policy_forward, sequence_scores
 from lit_rlhf.rollout import GenerationSettings, generate_responses
 
 

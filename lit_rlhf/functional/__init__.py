@@ -4,7 +4,7 @@ Shapes: B batch, T response length, V vocabulary. Masks are 1/True for real toke
 everything computed from them are float32. See DESIGN.md "functional/ — the public math API".
 """
 
-from lit_rlhf.functional.advantages import compute_gae
+from lit_rlhf.functional.advantages import compute_gae, discounted_returns, grpo_advantages, rloo_advantages
 from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
 from lit_rlhf.functional.kl_controllers import (
     AdaptiveKLController,
@@ -14,28 +14,44 @@ from lit_rlhf.functional.kl_controllers import (
 )
 from lit_rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from lit_rlhf.functional.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    aggregation_weight,
     clipped_value_loss,
     kl_penalty_policy_loss,
     pairwise_reward_loss,
     ppo_policy_loss,
+    reference_kl_loss,
 )
 from lit_rlhf.functional.stats import (
+    as_groups,
     explained_variance,
+    group_score_stats,
     masked_mean,
     masked_moments,
+    masked_row_sum,
     masked_var,
     masked_whiten,
     whiten_from_moments,
 )
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
     "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
     "PPOPenaltyKLController",
+    "aggregate_loss",
+    "aggregation_weight",
+    "as_groups",
     "clipped_value_loss",
     "compute_gae",
+    "discounted_returns",
+    "grpo_advantages",
+    "group_score_stats",
     "entropy_from_logits",
     "explained_variance",
     "kl_penalty",
@@ -44,9 +60,12 @@ __all__ = [
     "logprobs_from_logits",
     "masked_mean",
     "masked_moments",
+    "masked_row_sum",
     "masked_var",
     "masked_whiten",
     "whiten_from_moments",
     "pairwise_reward_loss",
     "ppo_policy_loss",
+    "reference_kl_loss",
+    "rloo_advantages",
 ]

@@ -1,12 +1,21 @@
-"""Generalized Advantage Estimation (Schulman et al. 2016; the loop of seeds/000, derived in seeds/003)."""
+"""Advantage estimators of on-policy RLHF.
+
+- ``compute_gae``: Generalized Advantage Estimation with a critic (Schulman et al. 2016), used by PPO.
+- Critic-free, from sequence scores of K responses per prompt (rows g*K .. g*K+K-1 share prompt g):
+  ``grpo_advantages`` (GRPO and Dr. GRPO) and ``rloo_advantages`` (RLOO) return per-sequence advantages
+  (B,) that the caller broadcasts over the response tokens.
+- ``discounted_returns``: per-token returns of KL-shaped rewards, the REINFORCE++ advantage before its
+  batch whitening (Hu 2025).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from lit_rlhf.functional._checks import as_float, check_2d, check_number, check_same_shape
+from lit_rlhf.functional.stats import as_groups
 
-__all__ = ["compute_gae"]
+__all__ = ["compute_gae", "discounted_returns", "grpo_advantages", "rloo_advantages"]
 
 
 def compute_gae(
@@ -64,3 +73,85 @@ def compute_gae(
         advantages[:, t] = next_advantage
     returns = torch.where(mask, advantages + values, 0.0)
     return advantages, returns
+
+
+def _check_group_size(fn: str, group_size: int) -> None:
+    if group_size < 2:
+        raise ValueError(
+            f"{fn}: `group_size` must be >= 2 (a group baseline needs K >= 2 responses per prompt; "
+            f"set generation.num_samples), got {group_size}"
+        )
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages: (s_i - mean(group)) / (std(group) + eps).
+
+    GRPO's outcome supervision (Shao et al. 2024, arXiv 2402.03300, sec. 4.1.2: A_i = (r_i - mean(r)) /
+    std(r), the same for every token of response i). With ``scale_by_std=False`` it is Dr. GRPO
+    (Liu et al. 2025, arXiv 2503.20783, sec. 3.1 "Dr. GRPO"): the mean is subtracted but the std division,
+    which over-weights nearly-solved or nearly-failed prompts, is dropped. The std is unbiased (torch's
+    default, as TRL and torchtune). A group whose scores are all equal gets exactly 0.
+
+    Args:
+        scores: (B,) sequence scores, B = G * K, each prompt's K responses contiguous.
+        group_size: K >= 2.
+        scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+        eps: added to the std (only with ``scale_by_std``).
+
+    Returns:
+        (B,) float32 (float64 kept) advantages.
+    """
+    fn = "grpo_advantages"
+    _check_group_size(fn, group_size)
+    grouped = as_groups(scores, group_size, fn)  # (G, K)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (G, K)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # (G, K)
+    # the mean of equal floats can differ from them in the last bit: force the exact 0
+    return torch.where(all_equal, 0.0, centered).flatten()  # (B,)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE Leave-One-Out: s_i minus the mean of the other K - 1 scores of its group.
+
+    (Ahmadian et al. 2024, arXiv 2402.14740, the RLOO estimator; Kool et al. 2019.) The baseline of each
+    sample is independent of it, so the estimator stays unbiased; it equals K / (K - 1) times the
+    centred score. A group whose scores are all equal gets exactly 0.
+
+    Args:
+        scores: (B,) sequence scores, B = G * K, each prompt's K responses contiguous.
+        group_size: K >= 2.
+
+    Returns:
+        (B,) float32 (float64 kept) advantages.
+    """
+    fn = "rloo_advantages"
+    _check_group_size(fn, group_size)
+    grouped = as_groups(scores, group_size, fn)  # (G, K)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (G, K)
+    return torch.where(all_equal, 0.0, grouped - others_mean).flatten()  # (B,)
+
+
+def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{l >= 0} gamma^l r_{t+l} over each response's real tokens (0 on padding).
+
+    REINFORCE++ (Hu 2025, arXiv 2501.03262, sec. 3: token-level KL penalty, then advantage normalisation) uses these returns of the KL-shaped token
+    rewards (``kl_shaped_rewards``) as advantages, whitened over the whole batch by the caller (with the
+    moments of every rank: ``masked_moments`` / ``whiten_from_moments``). They are GAE with V = 0 and
+    lambda = 1 (delta_t = r_t), so this calls :func:`compute_gae` rather than re-deriving the recursion.
+
+    Args:
+        rewards: (B, T) per-token rewards.
+        response_mask: (B, T) 1/True for real tokens, right-padded.
+        gamma: discount in [0, 1].
+
+    Returns:
+        (B, T) float32 (float64 kept) returns.
+    """
+    values = torch.zeros_like(as_float(rewards))  # (B, T)
+    returns, _ = compute_gae(rewards, values, response_mask, gamma, gae_lambda=1.0)  # (B, T)
+    return returns

@@ -1,9 +1,12 @@
-"""PPO policy losses (clip and KL-penalty), the clipped value loss and the pairwise reward-model loss.
+"""PPO policy losses (clip and KL-penalty), the reference-KL loss term, the clipped value loss and the
+pairwise reward-model loss.
 
 Every loss returns ``(loss, stats)``: ``loss`` a float32 scalar, ``stats`` a dict of detached float32
 scalars keyed by metric name without prefix. Padded positions are replaced by neutral values with
 ``torch.where`` *before* any nonlinearity (exp, square), so NaN/inf stored there can change neither the
 loss nor the gradient, and the gradient at padded positions is exactly 0.
+
+Policy losses reduce their per-token terms with one of ``LOSS_AGGREGATIONS`` (:func:`aggregate_loss`).
 """
 
 from __future__ import annotations
@@ -12,9 +15,95 @@ import torch
 import torch.nn.functional as F
 
 from lit_rlhf.functional._checks import as_float, check_number, check_same_shape
-from lit_rlhf.functional.stats import masked_mean
+from lit_rlhf.functional.kl import kl_penalty
+from lit_rlhf.functional.stats import masked_mean, masked_row_sum
 
-__all__ = ["clipped_value_loss", "kl_penalty_policy_loss", "pairwise_reward_loss", "ppo_policy_loss"]
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "LOSS_AGGREGATIONS",
+    "aggregate_loss",
+    "aggregation_weight",
+    "clipped_value_loss",
+    "kl_penalty_policy_loss",
+    "pairwise_reward_loss",
+    "ppo_policy_loss",
+    "reference_kl_loss",
+]
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def check_loss_aggregation(fn: str, loss_aggregation: str, max_response_length: int | None) -> None:
+    """Raise ValueError for an unknown aggregation, or a missing/invalid constant of the Dr. GRPO one."""
+    if loss_aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(
+            f"{fn}: unknown `loss_aggregation` {loss_aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}"
+        )
+    if loss_aggregation == "seq_mean_token_sum_norm" and (
+        max_response_length is None or max_response_length < 1
+    ):
+        raise ValueError(
+            f"{fn}: `loss_aggregation`='seq_mean_token_sum_norm' needs `max_response_length` >= 1 "
+            f"(the constant the token sums are divided by), got {max_response_length}"
+        )
+
+
+def aggregate_loss(
+    token_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_aggregation: str = "token_mean",
+    max_response_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses (B, T) to a scalar.
+
+    - ``token_mean``: mean over all real tokens of the batch (PPO; DAPO's token-level loss, arXiv
+      2503.14476 sec. 3.3): every token weighs the same, so long responses weigh more.
+    - ``seq_mean_token_mean``: mean over each response's real tokens, then over responses (the
+      original GRPO, Shao et al. 2024, arXiv 2402.03300 eq. 3: the 1/|o_i| inside the group mean).
+    - ``seq_mean_token_sum_norm``: each response's token sum divided by the constant
+      ``max_response_length``, then the mean over responses (Dr. GRPO, Liu et al. 2025, arXiv
+      2503.20783 sec. 3.1: no length normalisation bias).
+
+    Args:
+        token_losses: (B, T) per-token losses.
+        response_mask: (B, T) 1/True for real tokens.
+        loss_aggregation: one of ``LOSS_AGGREGATIONS``.
+        max_response_length: the constant of ``seq_mean_token_sum_norm`` (the generation's max_new_tokens).
+
+    Returns:
+        float32 (float64 kept) scalar. A row without real tokens contributes 0 to the sequence means.
+    """
+    check_same_shape("aggregate_loss", token_losses=token_losses, response_mask=response_mask)
+    check_loss_aggregation("aggregate_loss", loss_aggregation, max_response_length)
+    if loss_aggregation == "token_mean":
+        return masked_mean(token_losses, response_mask)
+    row_sums = masked_row_sum(token_losses, response_mask)  # (B,)
+    if loss_aggregation == "seq_mean_token_mean":
+        lengths = response_mask.bool().sum(dim=1).clamp(min=1)  # (B,)
+        return (row_sums / lengths).mean()
+    return (row_sums / max_response_length).mean()
+
+
+def aggregation_weight(
+    part_mask: torch.Tensor, total_mask: torch.Tensor, loss_aggregation: str
+) -> torch.Tensor:
+    """Share of a micro-batch in its minibatch's aggregated loss, for gradient accumulation.
+
+    ``aggregate_loss`` is a mean over tokens (``token_mean``) or over responses (the sequence means), so
+    summing ``weight * aggregate_loss(part)`` over micro-batches gives ``aggregate_loss(minibatch)``.
+
+    Args:
+        part_mask: (b, T) response mask of the micro-batch.
+        total_mask: (B, T) response mask of the whole minibatch.
+        loss_aggregation: one of ``LOSS_AGGREGATIONS``.
+
+    Returns:
+        scalar tensor: real tokens of the part / of the minibatch, or rows of the part / of the minibatch.
+    """
+    if loss_aggregation == "token_mean":
+        return part_mask.sum() / total_mask.sum()
+    return torch.tensor(part_mask.shape[0] / total_mask.shape[0], device=part_mask.device)
 
 
 def ppo_policy_loss(
@@ -23,36 +112,96 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_coef: float,
+    clip_coef_high: float | None = None,
+    loss_aggregation: str = "token_mean",
+    max_response_length: int | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-Clip: -masked_mean(min(r * A, clip(r, 1 - eps, 1 + eps) * A)), r = exp(logprobs - old_logprobs).
+    """PPO-Clip: -aggregate(min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)), r = exp(logprobs - old_logprobs).
 
     (Schulman et al. 2017, eq. 7; seeds/000 "PPO-Clip".) The ratio is against the rollout policy
-    (``old_logprobs``), never the reference model.
+    (``old_logprobs``), never the reference model. Options of the 2025 papers, off by default:
+
+    - ``clip_coef_high`` > ``clip_coef``: DAPO's "clip-higher" (Yu et al. 2025, arXiv 2503.14476 sec. 3.1),
+      a wider upper bound lets low-probability tokens rise (against entropy collapse).
+    - ``importance_sampling_level="sequence"``: GSPO (Zheng et al. 2025, arXiv 2507.18071 sec. 4.1), the
+      ratio of every token of response i is s_i = exp(mean_t(logprobs - old_logprobs)), the
+      length-normalised sequence likelihood ratio, clipped as a whole.
+    - ``loss_aggregation``: see :func:`aggregate_loss`.
 
     Args:
         logprobs: (B, T) log-probs of the current policy (with grad).
         old_logprobs: (B, T) log-probs of the rollout policy.
         advantages: (B, T) advantages (usually whitened).
         response_mask: (B, T) 1/True for real tokens.
-        clip_coef: eps > 0.
+        clip_coef: eps_low > 0 (also eps_high when ``clip_coef_high`` is None).
+        clip_coef_high: eps_high > 0, or None for the symmetric clip.
+        loss_aggregation: one of ``LOSS_AGGREGATIONS``.
+        max_response_length: the constant of ``seq_mean_token_sum_norm``.
+        importance_sampling_level: ``token`` (PPO) or ``sequence`` (GSPO).
 
     Returns:
         (loss, stats): stats has ``clipfrac`` (share of real tokens where the clipped term is taken),
         ``approx_kl`` = 0.5 * mean((lp - old)^2), ``policy_kl`` = mean(old - lp), ``ratio_mean`` and
-        ``ratio_max`` (over real tokens).
+        ``ratio_max`` (over real tokens, of the token-level ratio whatever the importance-sampling level).
     """
     fn = "ppo_policy_loss"
     check_same_shape(
         fn, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
     )
     check_number(fn, "clip_coef", clip_coef, low=0.0, low_inclusive=False)
+    clip_coef_high = clip_coef if clip_coef_high is None else clip_coef_high
+    check_number(fn, "clip_coef_high", clip_coef_high, low=0.0, low_inclusive=False)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"{fn}: unknown `importance_sampling_level` {importance_sampling_level!r}; expected token or sequence"
+        )
     mask, log_ratio, ratio, advantages = _ratio_terms(logprobs, old_logprobs, advantages, response_mask)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
     stats = _ratio_stats(mask, log_ratio, ratio)
+    if importance_sampling_level == "sequence":
+        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+        seq_log_ratio = masked_row_sum(log_ratio, mask).unsqueeze(1) / lengths  # (B, 1)
+        ratio = torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T): s_i on every real token
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef_high)  # (B, T)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_aggregation, max_response_length)
     stats["clipfrac"] = masked_mean((clipped > unclipped).float(), mask).detach()
     return loss, stats
+
+
+def reference_kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    estimator: str = "k3",
+    loss_aggregation: str = "token_mean",
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL(pi_theta || pi_ref) as a loss term: aggregate(kl_t), by default GRPO's k3 estimate.
+
+    GRPO puts the KL to the reference in the loss instead of the reward (Shao et al. 2024, arXiv
+    2402.03300 eq. 3-4: D_KL = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 per token, unbiased and >= 0).
+    The caller adds ``kl_loss_coef * loss`` to the policy loss.
+
+    Args:
+        logprobs: (B, T) log-probs of the current policy (with grad).
+        ref_logprobs: (B, T) log-probs of the reference policy.
+        response_mask: (B, T) 1/True for real tokens.
+        estimator: a ``kl_penalty`` estimator (``k3`` in GRPO).
+        loss_aggregation, max_response_length: see :func:`aggregate_loss`.
+
+    Returns:
+        (loss, stats): stats has ``kl_loss``.
+    """
+    check_same_shape(
+        "reference_kl_loss", logprobs=logprobs, ref_logprobs=ref_logprobs, response_mask=response_mask
+    )
+    mask = response_mask.bool()
+    logprobs = torch.where(mask, as_float(logprobs), 0.0)
+    ref_logprobs = torch.where(mask, as_float(ref_logprobs), 0.0)
+    kl = kl_penalty(logprobs, ref_logprobs, estimator)  # (B, T), 0 on padding
+    loss = aggregate_loss(kl, mask, loss_aggregation, max_response_length)
+    return loss, {"kl_loss": loss.detach()}
 
 
 def kl_penalty_policy_loss(
@@ -61,8 +210,10 @@ def kl_penalty_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     beta: float,
+    loss_aggregation: str = "token_mean",
+    max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-Penalty: -masked_mean(r * A - beta * KL_t(old || new)), r = exp(logprobs - old_logprobs).
+    """PPO-Penalty: -aggregate(r * A - beta * KL_t(old || new)), r = exp(logprobs - old_logprobs).
 
     (Schulman et al. 2017, eq. 8; seeds/000 "PPO-Penalty".) The per-token KL(pi_old || pi_theta) is the
     k1 estimate on tokens sampled from pi_old: old_logprobs - logprobs. ``beta`` comes from a
@@ -74,6 +225,7 @@ def kl_penalty_policy_loss(
         advantages: (B, T) advantages.
         response_mask: (B, T) 1/True for real tokens.
         beta: >= 0 (0 gives the plain importance-sampled surrogate -mean(r * A)).
+        loss_aggregation, max_response_length: see :func:`aggregate_loss`.
 
     Returns:
         (loss, stats): stats has ``approx_kl``, ``policy_kl``, ``ratio_mean``, ``ratio_max`` as in
@@ -86,7 +238,9 @@ def kl_penalty_policy_loss(
     check_number(fn, "beta", beta, low=0.0, low_inclusive=True)
     mask, log_ratio, ratio, advantages = _ratio_terms(logprobs, old_logprobs, advantages, response_mask)
     kl_old_new = -log_ratio
-    loss = -masked_mean(ratio * advantages - beta * kl_old_new, mask)
+    loss = -aggregate_loss(
+        ratio * advantages - beta * kl_old_new, mask, loss_aggregation, max_response_length
+    )
     return loss, _ratio_stats(mask, log_ratio, ratio)
 
 

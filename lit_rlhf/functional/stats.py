@@ -12,7 +12,17 @@ import torch
 
 from lit_rlhf.functional._checks import as_float, check_same_shape
 
-__all__ = ["explained_variance", "masked_mean", "masked_moments", "masked_var", "masked_whiten", "whiten_from_moments"]
+__all__ = [
+    "as_groups",
+    "explained_variance",
+    "group_score_stats",
+    "masked_mean",
+    "masked_moments",
+    "masked_row_sum",
+    "masked_var",
+    "masked_whiten",
+    "whiten_from_moments",
+]
 
 # Added to the variance before the square root so a constant input whitens to 0 instead of nan
 # (the constant used by TRL and OpenAI's lm-human-preferences).
@@ -37,6 +47,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     total = torch.where(mask, x, 0.0).sum() if dim is None else torch.where(mask, x, 0.0).sum(dim)
     count = mask.sum() if dim is None else mask.sum(dim)
     return total / count
+
+
+def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of each row's real elements: (B, T) -> (B,) (e.g. a sequence's KL from per-token KL).
+
+    Args:
+        x: (B, T).
+        mask: (B, T) 1/True for real elements.
+
+    Returns:
+        (B,) tensor in the dtype of ``x`` (float32 at least); 0 for a row without real elements.
+    """
+    check_same_shape("masked_row_sum", x=x, mask=mask)
+    return torch.where(mask.bool(), as_float(x), 0.0).sum(dim=1)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -159,3 +183,40 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     var_returns = masked_var(returns, mask, unbiased=False)
     var_residual = masked_var(residual, mask, unbiased=False)
     return torch.where(var_returns > 0, 1.0 - var_residual / var_returns, torch.nan)
+
+
+def as_groups(scores: torch.Tensor, group_size: int, fn: str = "as_groups") -> torch.Tensor:
+    """(B,) per-response scores -> (G, K) with G = B / K: row g holds the responses to prompt g.
+
+    Rows g*K .. g*K+K-1 of a rollout share a prompt (DESIGN.md "Groups"), so a view suffices.
+
+    Raises:
+        ValueError: ``scores`` is not 1-D, ``group_size`` < 1, or B is not a multiple of ``group_size``.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"{fn}: `scores` must be 1-D (B,), got shape {tuple(scores.shape)}")
+    if group_size < 1 or scores.shape[0] % group_size:
+        raise ValueError(
+            f"{fn}: {scores.shape[0]} scores cannot be split into groups of `group_size`={group_size}"
+        )
+    return as_float(scores).view(-1, group_size)
+
+
+def group_score_stats(scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean within-group standard deviation (unbiased) and the fraction of groups whose scores are all equal.
+
+    A group whose K scores are all equal carries no signal for a group-baseline estimator (its
+    advantages are 0), so the fraction tells how much of a rollout such an estimator learns from.
+
+    Args:
+        scores: (B,) sequence scores, each prompt's ``group_size`` >= 2 responses contiguous.
+        group_size: K.
+
+    Returns:
+        (group_score_std, group_all_equal_frac): float32 scalars.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_score_stats: `group_size` must be >= 2, got {group_size}")
+    grouped = as_groups(scores, group_size, "group_score_stats")  # (G, K)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1)  # (G,)
+    return grouped.std(dim=1).mean(), all_equal.float().mean()

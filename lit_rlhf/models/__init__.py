@@ -1,8 +1,10 @@
 """Building, loading, exporting and scoring Hugging Face models (see DESIGN.md, models/)."""
 
+from lit_rlhf.models.forwards import chunked, critic_values, policy_forward, reward_model_scores
 from lit_rlhf.models.loading import (
     build_causal_lm,
     build_score_model,
+    disable_dropout,
     export_pretrained,
     frozen_copy,
     reference_logits_context,
@@ -32,13 +34,18 @@ __all__ = [
     "build_score_model",
     "causal_lm_logits",
     "causal_lm_logits_and_hidden",
+    "chunked",
+    "critic_values",
+    "disable_dropout",
     "ensure_pad_token",
     "export_pretrained",
     "frozen_copy",
     "last_token_index",
     "load_tokenizer",
+    "policy_forward",
     "position_ids_from_mask",
     "reference_logits_context",
+    "reward_model_scores",
     "sequence_scores",
     "token_values",
     "train_bpe_tokenizer",

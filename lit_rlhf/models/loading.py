@@ -180,3 +180,15 @@ def reference_logits_context(actor: nn.Module) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: PPO's ratio must be exactly 1 before the first update, and
+    the rollout and update forwards must describe the same policy (standard practice, e.g. TRL)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if config is not None and hasattr(config, name):
+            setattr(config, name, 0.0)

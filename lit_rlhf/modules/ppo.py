@@ -2,6 +2,7 @@
 
 One ``training_step`` = one rollout: generate responses to a batch of prompts, score them, shape the
 rewards with a KL penalty, compute GAE, then run ``ppo_epochs`` passes over shuffled minibatches.
+The parts every online algorithm shares live in :class:`~lit_rlhf.modules.online.OnlineRLModule`.
 """
 
 from __future__ import annotations
@@ -16,42 +17,27 @@ from lit_rlhf import functional as F
 from lit_rlhf.models import (
     ModelSpec,
     ValueHead,
-    build_causal_lm,
     build_score_model,
-    frozen_copy,
-    load_tokenizer,
-    reference_logits_context,
-)
-from lit_rlhf.modules.distributed import (
-    clip_grad_norm,
-    generation_context,
-    shard_models,
-    unwrap,
-)
-from lit_rlhf.modules.optim import AdamW, resolve_total_steps
-from lit_rlhf.modules.ppo_bookkeeping import PPOBookkeeping
-from lit_rlhf.modules.ppo_parts import (
-    PPO_METRICS,
-    ROLLOUT_METRICS,
-    MetricGroup,
-    RewardSource,
-    accumulate_stats,
-    chunked,
     critic_values,
     disable_dropout,
-    masked_row_sum,
     policy_forward,
-    validate_ppo_args,
-    whiten_across_ranks,
 )
-from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
+from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.optim import AdamW, resolve_total_steps
+from lit_rlhf.rollout import GenerationSettings, Rollout
+
+PPO_METRICS = (
+    "policy_loss", "value_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "value_clipfrac",
+    "ratio_mean", "ratio_max", "skipped_minibatches",
+    "explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean",
+)  # fmt: skip
 
 
-class PPOModule(PPOBookkeeping):
+class PPOModule(OnlineRLModule):
     """PPO with an actor, a critic, a frozen reference and a reward model or reward function.
 
     Args:
-        actor: the policy to train (usually the SFT export).
+        actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
         reward_fn: ``package.module:function`` mapping (prompts, responses) strings to float scores.
         monitor_reward_fn: a second ``module:function`` scorer that is only logged
@@ -60,12 +46,15 @@ class PPOModule(PPOBookkeeping):
             backbone with a fresh head when rewards come from a function.
         reference: reference policy spec; None = the initial actor (its LoRA-disabled self for a LoRA actor).
         share_critic_backbone: a value head on the actor's backbone instead of a separate critic.
-        generation: sampling settings of the rollout.
+        generation: sampling settings of the rollout (``GenerationSettings`` or a dict of its fields).
         ppo_epochs: passes over each rollout.
         num_minibatches: optimiser steps per pass (the rollout's rows are split evenly).
         forward_batch_size: rows per forward pass (rollout scoring and gradient-accumulation micro-batches).
         policy_loss: ``clip`` (PPO-Clip) or ``kl_penalty`` (PPO-Penalty with adaptive beta, seeds/000).
-        clip_coef: epsilon of the clipped ratio.
+        clip_coef: epsilon of the clipped ratio (its lower bound 1 - clip_coef).
+        clip_coef_high: upper epsilon of the ratio (DAPO "clip-higher", arXiv 2503.14476); None = clip_coef.
+        loss_aggregation: how the policy loss reduces its token terms: ``token_mean`` (PPO),
+            ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm`` (see ``functional.aggregate_loss``).
         clip_coef_value: clip range of new values around the old ones.
         vf_coef: weight of the value loss.
         ent_coef: weight of the entropy bonus.
@@ -94,6 +83,8 @@ class PPOModule(PPOBookkeeping):
         critic_scheduler: LR schedule of the critic, stepped once per rollout (None = constant).
     """
 
+    sharded_models = ("actor", "critic", "value_head", "reference", "rewards.model", "monitor.model")
+
     def __init__(
         self,
         actor: ModelSpec,
@@ -103,12 +94,16 @@ class PPOModule(PPOBookkeeping):
         critic: ModelSpec | None = None,
         reference: ModelSpec | None = None,
         share_critic_backbone: bool = False,
-        generation: GenerationSettings | None = None,
+        generation: GenerationSettings | dict | None = None,
         ppo_epochs: int = 4,
         num_minibatches: int = 2,
         forward_batch_size: int = 16,
         policy_loss: Literal["clip", "kl_penalty"] = "clip",
         clip_coef: float = 0.2,
+        clip_coef_high: float | None = None,
+        loss_aggregation: Literal[
+            "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+        ] = "token_mean",
         clip_coef_value: float = 0.2,
         vf_coef: float = 0.5,
         ent_coef: float = 0.0,
@@ -135,77 +130,55 @@ class PPOModule(PPOBookkeeping):
         actor_scheduler: LRSchedulerCallable | None = None,
         critic_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.save_hyperparameters(
+        check_ppo_args(locals())
+        super().__init__(
+            actor=actor, reward_model=reward_model, reward_fn=reward_fn, monitor_reward_fn=monitor_reward_fn,
+            reference=reference, generation=generation, forward_batch_size=forward_batch_size,
+            num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
+            score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
+            log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            metric_prefix="ppo", update_metrics=PPO_METRICS,
+        )  # fmt: skip
+        self.save_plain_hyperparameters(
             ignore=["actor_optimizer", "critic_optimizer", "actor_scheduler", "critic_scheduler"]
         )
-        validate_ppo_args(self.hparams)
         self.factories = (actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler)
-        self.generation = generation or GenerationSettings()
-        # (under LightningCLI, self.hparams holds the raw config dicts, not the dataclasses)
-        self.actor_lora = actor.lora is not None
-        self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
-        with torch.random.fork_rng():  # seeded, so a resumed run rebuilds identical frozen models
-            torch.manual_seed(rng_seed)
-            self.actor = build_causal_lm(actor, self.tokenizer)
-            disable_dropout(self.actor)
-            if reference is not None:
-                self.reference = frozen_copy(build_causal_lm(reference, self.tokenizer))
-            else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
-                self.reference = None if actor.lora else frozen_copy(self.actor)
-            self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
-            self.monitor = (
-                None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
-            )
+        with self.seeded_init():  # the stream the actor, reference and reward model were built from
             if share_critic_backbone:
                 self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
             else:
-                critic_spec = critic or reward_model or actor
+                critic_spec = ModelSpec.coerce(critic or reward_model or actor, "critic")
                 self.critic, self.value_head = build_score_model(critic_spec, self.tokenizer), None
                 disable_dropout(self.critic)
-        self.kl_ctl = (
-            F.FixedKLController(kl_coef)
-            if kl_target is None
-            else F.AdaptiveKLController(kl_coef, kl_target, kl_horizon)
-        )
         self.beta_ctl = F.PPOPenaltyKLController(init_beta, beta_target)
-        self.buffer = ReplayBuffer(num_minibatches, rng_seed)
-        self.rollout_metrics, self.ppo_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(PPO_METRICS)
-        self.rollouts_done = 0
-        self._rng_to_restore: torch.Tensor | None = None
-        self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
 
     # ----------------------------------------------------------------------------------------------
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._restore_rng()
-        # 1. Generate responses with the current policy.
-        responses, response_mask, truncated = self.generate(batch["input_ids"], batch["attention_mask"])
-        input_ids = torch.cat([batch["input_ids"], responses], dim=1)
-        attention_mask = torch.cat([batch["attention_mask"], response_mask.long()], dim=1)
+        self.restore_rng()
+        hp = self.hparams
+        # 1. Generate responses with the current policy (K per prompt, each prompt's K rows contiguous).
+        prompts, prompt_mask = self.expand_prompts(batch)
+        responses, response_mask, truncated = self.generate(prompts, prompt_mask)
+        input_ids = torch.cat([prompts, responses], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
         # 2. Score without gradients: old/ref log-probs, old values, sequence scores.
         T = responses.shape[1]
         old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(input_ids, attention_mask, T)
-        scores = self.rewards.score(input_ids, attention_mask, T, self.hparams.forward_batch_size)
-        scores = self.adjust_scores(scores, truncated)
-        if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, self.hparams.forward_batch_size)
-            self.rollout_metrics.update({"monitor_score": monitor.mean()})
+        scores = self.score_responses(input_ids, attention_mask, T, truncated)
         # 3. KL-shaped per-token rewards (seeds/000), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(
-            scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, self.hparams.kl_estimator
+            scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
         )
-        if self.hparams.whiten_rewards:
-            rewards = whiten_across_ranks(self.trainer.strategy, rewards, response_mask, shift_mean=False)
-        advantages, returns = F.compute_gae(
-            rewards, old_values, response_mask, self.hparams.gamma, self.hparams.gae_lambda
-        )
+        if hp.whiten_rewards:
+            rewards = self.whiten(rewards, response_mask, shift_mean=False)
+        advantages, returns = F.compute_gae(rewards, old_values, response_mask, hp.gamma, hp.gae_lambda)
         self.log_rollout_stats(
-            scores, rewards, kl, response_mask, truncated, entropy, old_values, advantages, returns
+            scores, F.masked_row_sum(rewards, response_mask), kl, response_mask, truncated, entropy
         )
-        if self.hparams.whiten_advantages:
-            advantages = whiten_across_ranks(self.trainer.strategy, advantages, response_mask)
+        self.log_critic_stats(old_values, advantages, returns, response_mask)
+        if hp.whiten_advantages:
+            advantages = self.whiten(advantages, response_mask)
         rollout = Rollout(
             input_ids, attention_mask, response_mask, old_logprobs, ref_logprobs,
             old_values, rewards, advantages, returns, scores,
@@ -215,89 +188,48 @@ class PPOModule(PPOBookkeeping):
         last_policy_kl = self.ppo_epochs()
         self.buffer.clear()
         # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
-        global_kl = self.all_gather(masked_row_sum(kl, response_mask).mean()).mean().item()
-        self.kl_ctl.update(global_kl, n_steps=rollout.batch_size * self.trainer.world_size)
-        if self.hparams.policy_loss == "kl_penalty":
+        self.update_kl_controller(kl, response_mask)
+        if hp.policy_loss == "kl_penalty":
             self.beta_ctl.update(last_policy_kl, n_steps=1)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
-        self.finish_rollout(batch, responses, response_mask, scores)
+        self.finish_rollout(prompts, responses, response_mask, scores)
 
     # ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor):
-        was_training = self.actor.training
-        self.actor.eval()
-        with generation_context(self, self.actor):
-            out = generate_responses(
-                self.actor, prompts, prompt_mask, self.generation,
-                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1,
-            )  # fmt: skip
-        self.actor.train(was_training)
-        return out
+    @override
+    def policy_and_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
+        """Actor log-probs and entropy, and the critic's values V(s_t) (or the shared value head's)."""
+        logprobs, entropy, shared_values = policy_forward(
+            self.actor, input_ids, attention_mask, T, self.generation.temperature, self.value_head
+        )
+        values = (
+            shared_values if self.critic is None else critic_values(self.critic, input_ids, attention_mask, T)
+        )
+        return logprobs, entropy, values
 
-    @torch.no_grad()
-    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
-        """(B, P+T) sequences -> old log-probs, reference log-probs, old values, entropy, each (B, T).
-
-        Runs in chunks of ``forward_batch_size`` rows so memory does not grow with the rollout, and
-        keeps no (B, T, V) logits.
-        """
-        parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
-        for rows in chunked(input_ids.shape[0], self.hparams.forward_batch_size):
-            ids, mask = input_ids[rows], attention_mask[rows]
-            logprobs, entropy, shared_values = policy_forward(
-                self.actor, ids, mask, T, self.generation.temperature, self.value_head
-            )
-            with reference_logits_context(unwrap(self.actor)):
-                ref_model = self.reference if self.reference is not None else self.actor
-                ref_logprobs, _, _ = policy_forward(ref_model, ids, mask, T, self.generation.temperature)
-            values = shared_values if self.critic is None else critic_values(self.critic, ids, mask, T)
-            for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
-                parts[key].append(value)
-        return tuple(torch.cat(v) for v in parts.values())
-
-    def adjust_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-        """Missing-EOS penalty, then optional clipping of the sequence scores (seeds/000)."""
-        if self.hparams.missing_eos_penalty is not None:
-            scores = scores - self.hparams.missing_eos_penalty * truncated.float()
-        if self.hparams.score_clip is not None:
-            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
-        return scores
+    def log_critic_stats(self, values, advantages, returns, response_mask) -> None:
+        """The critic's and GAE's per-rollout statistics (before advantage whitening), as ``ppo/...``."""
+        self.update_metrics.update(
+            {
+                "explained_variance": F.explained_variance(values, returns, response_mask),
+                "advantages_mean": F.masked_mean(advantages, response_mask),
+                "advantages_std": F.masked_var(advantages, response_mask).sqrt(),
+                "returns_mean": F.masked_mean(returns, response_mask),
+                "values_mean": F.masked_mean(values, response_mask),
+            }
+        )
 
     def ppo_epochs(self) -> float:
-        """The update phase: ``ppo_epochs`` passes of clipped policy/value/entropy losses.
+        """The update phase: ``ppo_epochs`` passes of clipped policy/value/entropy losses over the buffer.
 
-        Each minibatch is processed in micro-batches of ``forward_batch_size`` rows whose losses are
-        weighted by their share of the minibatch's real tokens, so the accumulated gradient equals the
-        minibatch's token-mean loss. Returns the mean KL(old || new) of the last epoch.
+        Returns the mean KL(old || new) of the last epoch (the PPO-Penalty controller's input).
         """
-        hp = self.hparams
         actor_opt, critic_opt = self.optimizers()
-        for _ in range(hp.ppo_epochs):
-            epoch_kl = []
-            for mb in self.buffer.minibatches():
-                n_tokens = mb.response_mask.sum()
-                stats: dict[str, torch.Tensor] = {}
-                for rows in chunked(mb.batch_size, hp.forward_batch_size):
-                    part = mb.select(rows)
-                    weight = part.response_mask.sum() / n_tokens
-                    loss, part_stats = self.ppo_loss(part)
-                    self.manual_backward(loss * weight)
-                    accumulate_stats(stats, part_stats, weight)
-                skip = hp.ratio_threshold is not None and stats["ratio_mean"] > hp.ratio_threshold
-                if not skip:
-                    critic_module = self.value_head if self.critic is None else self.critic
-                    for opt, model in ((actor_opt, self.actor), (critic_opt, critic_module)):
-                        if hp.max_grad_norm is not None:
-                            clip_grad_norm(self, opt, model, hp.max_grad_norm)
-                        opt.step()
-                actor_opt.zero_grad(set_to_none=True)
-                critic_opt.zero_grad(set_to_none=True)
-                self.ppo_metrics.update({**stats, "skipped_minibatches": float(skip)})
-                epoch_kl.append(stats["policy_kl"])
-        return torch.stack(epoch_kl).mean().item()
+        critic_module = self.value_head if self.critic is None else self.critic
+        optimized = [(actor_opt, self.actor), (critic_opt, critic_module)]
+        return self.run_update_epochs(
+            self.ppo_loss, optimized, self.hparams.ppo_epochs, self.hparams.loss_aggregation
+        )
 
     def ppo_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """loss = L_policy - c_e * H + c_v * L_V (seeds/002) on one micro-batch."""
@@ -313,13 +245,22 @@ class PPOModule(PPOBookkeeping):
         )
         if self.critic is not None:
             values = critic_values(self.critic, part.input_ids, part.attention_mask, T)
+        aggregation = dict(
+            loss_aggregation=hp.loss_aggregation, max_response_length=self.generation.max_new_tokens
+        )
         if hp.policy_loss == "clip":
             pg_loss, pg_stats = F.ppo_policy_loss(
-                logprobs, part.old_logprobs, part.advantages, mask, hp.clip_coef
+                logprobs,
+                part.old_logprobs,
+                part.advantages,
+                mask,
+                hp.clip_coef,
+                hp.clip_coef_high,
+                **aggregation,
             )
         else:
             pg_loss, pg_stats = F.kl_penalty_policy_loss(
-                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value
+                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value, **aggregation
             )
         vf_loss, vf_stats = F.clipped_value_loss(
             values, part.old_values, part.returns, mask, hp.clip_coef_value
@@ -330,11 +271,17 @@ class PPOModule(PPOBookkeeping):
         stats["entropy"] = mean_entropy.detach()
         return loss, stats
 
-    # ----------------------------------------------------------------------------------------------
     @override
-    def configure_model(self) -> None:
-        shard_models(self, ("actor", "critic", "value_head", "reference", "rewards.model", "monitor.model"))
+    def schedule_metrics(self) -> dict[str, torch.Tensor]:
+        metrics = super().schedule_metrics()
+        if self.hparams.policy_loss == "kl_penalty":
+            metrics["beta"] = torch.tensor(self.beta_ctl.value)
+        actor_opt, critic_opt = self.optimizers()
+        metrics["lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"])
+        metrics["lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"])
+        return metrics
 
+    # ----------------------------------------------------------------------------------------------
     @override
     def configure_optimizers(self):
         actor_opt_fn, critic_opt_fn, actor_sched_fn, critic_sched_fn = self.factories
@@ -352,8 +299,56 @@ class PPOModule(PPOBookkeeping):
                 schedulers.append(scheduler)
         return optimizers, schedulers
 
-    def lr_schedulers_list(self) -> list:
-        schedulers = self.lr_schedulers()
-        if schedulers is None:
-            return []
-        return schedulers if isinstance(schedulers, list) else [schedulers]
+    @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["online_state"]["beta_ctl"] = self.beta_ctl.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
+        self.beta_ctl.load_state_dict(state["beta_ctl"])
+
+    @override
+    def exported_models(self) -> dict:
+        """``actor`` and, when separate, ``critic``."""
+        return {"actor": self.actor, "critic": self.critic}
+
+
+def check_ppo_args(args: dict) -> None:
+    """Check PPOModule's own arguments early, with messages naming the argument."""
+    if (args["reward_model"] is None) == (args["reward_fn"] is None):
+        raise ValueError(
+            "PPOModule: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
+        )
+    if args["share_critic_backbone"] and args["critic"] is not None:
+        raise ValueError(
+            "PPOModule: share_critic_backbone=True uses a value head on the actor; do not also set critic"
+        )
+    for name in (
+        "ppo_epochs",
+        "num_minibatches",
+        "forward_batch_size",
+        "clip_coef",
+        "init_beta",
+        "beta_target",
+    ):
+        if args[name] <= 0:
+            raise ValueError(f"PPOModule: {name} must be > 0, got {args[name]}")
+    if args["clip_coef_high"] is not None and args["clip_coef_high"] <= 0:
+        raise ValueError(f"PPOModule: clip_coef_high must be > 0 or None, got {args['clip_coef_high']}")
+    for name in ("clip_coef_value", "vf_coef", "ent_coef", "kl_coef"):
+        if args[name] < 0:
+            raise ValueError(f"PPOModule: {name} must be >= 0, got {args[name]}")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= args[name] <= 1.0:
+            raise ValueError(f"PPOModule: {name} must be in [0, 1], got {args[name]}")
+    if args["loss_aggregation"] not in F.LOSS_AGGREGATIONS:
+        raise ValueError(
+            f"PPOModule: loss_aggregation must be one of {F.LOSS_AGGREGATIONS}, got {args['loss_aggregation']!r}"
+        )
+    if args["policy_loss"] not in ("clip", "kl_penalty"):
+        raise ValueError(
+            f"PPOModule: policy_loss must be 'clip' or 'kl_penalty', got {args['policy_loss']!r}"
+        )

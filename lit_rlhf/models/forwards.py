@@ -1,0 +1,71 @@
+"""Per-response-token quantities of online RL from one forward: log-probs, entropy and values.
+
+Shapes: B rows, P prompt length (left-padded), T response length (right-padded); ``input_ids`` are the
+(B, P+T) prompt-and-response sequences of a rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits
+from lit_rlhf.models.scoring import causal_lm_logits_and_hidden, sequence_scores, token_values
+
+__all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores"]
+
+
+def policy_forward(
+    actor: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    value_head: torch.nn.Module | None = None,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy of the response tokens, and shared-backbone values, from one forward.
+
+    Args:
+        actor: causal LM. input_ids, attention_mask: (B, P+T). response_length: T.
+        temperature: the sampling temperature (logits are divided by it, as during generation).
+        value_head: the critic's head when it shares the actor's backbone, else None.
+        entropy_grad: build the entropy's autograd graph (only needed when it is in the loss).
+
+    Returns:
+        logprobs (B, T) float32, entropy (B, T) float32, values (B, T) float32 or None.
+    """
+    # Position P-1+t predicts response token t: only the last T+1 positions need the LM head.
+    logits, hidden = causal_lm_logits_and_hidden(
+        actor, input_ids, attention_mask, logits_to_keep=response_length + 1
+    )
+    logits = logits[:, -response_length - 1 : -1]
+    labels = input_ids[:, -response_length:]
+    logprobs = logprobs_from_logits(logits, labels, temperature=temperature)
+    # With ent_coef = 0 the entropy is only logged: without a graph its float32 softmax is neither kept
+    # nor recomputed in backward.
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+    values = None
+    if value_head is not None:
+        values = value_head(hidden[:, -response_length - 1 : -1])
+    return logprobs, entropy, values
+
+
+def critic_values(
+    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> torch.Tensor:
+    """(B, P+T) sequences -> (B, T) float32 values V(s_t), s_t = prompt + response[:t]."""
+    return token_values(critic, input_ids, attention_mask)[:, -response_length - 1 : -1]
+
+
+def reward_model_scores(
+    reward_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, P+T) sequences -> (B,) float32 scores at the last real token (the EOS when present)."""
+    return sequence_scores(reward_model, input_ids, attention_mask)
+
+
+def chunked(n: int, size: int) -> Iterable[slice]:
+    """Row slices of at most ``size`` covering ``range(n)`` (bounds the memory of no-grad forwards)."""
+    return (slice(start, min(start + size, n)) for start in range(0, n, size))

@@ -1,0 +1,414 @@
+"""The online-RL base: what every on-policy algorithm (PPO, GRPO, RLOO, REINFORCE++) shares.
+
+:class:`OnlineRLModule` owns the actor, the reference (or the LoRA-disabled actor), the reward source and
+the monitor reward, generation with K samples per prompt, the old/reference log-prob scoring, the score
+adjustments, the rollout metrics and sample tables, the minibatch update loop, the KL controller, the
+checkpoint state of an exact resume and the Hugging Face export. A subclass writes its own numbered
+``training_step`` over these parts, its loss and its optimisers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lit_rlhf import functional as F
+from lit_rlhf.models import (
+    ModelSpec,
+    build_causal_lm,
+    chunked,
+    disable_dropout,
+    export_pretrained,
+    frozen_copy,
+    load_tokenizer,
+    policy_forward,
+    reference_logits_context,
+)
+from lit_rlhf.modules.base import drop_frozen_weights
+from lit_rlhf.modules.distributed import (
+    clip_grad_norm,
+    gather_for_export,
+    generation_context,
+    is_sharded_checkpoint,
+    shard_models,
+    unwrap,
+)
+from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
+from lit_rlhf.modules.samples import log_text_table
+from lit_rlhf.rewards import RewardSource
+from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
+
+ROLLOUT_METRICS = (
+    "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
+    "group_score_std", "group_all_equal_frac",
+)  # fmt: skip
+LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class OnlineRLModule(LightningModule):
+    """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
+
+    The subclass documents and validates the arguments it passes on (its ``__init__`` is the config
+    schema), then calls :meth:`save_plain_hyperparameters` and builds its own models inside
+    :meth:`seeded_init`, which continues the seeded stream the shared models were initialised from.
+
+    Args:
+        actor, reward_model, reward_fn, monitor_reward_fn, reference, generation, forward_batch_size,
+        num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
+        log_samples_every, num_log_samples, rng_seed: as documented by the subclass.
+        metric_prefix: namespace of the update metrics (``ppo``, ``policy``).
+        update_metrics: names of the update metrics (``*_max`` ones are maxima, the others means).
+    """
+
+    # models sharded by ``configure_model`` (dotted attribute paths; missing or None ones are skipped)
+    sharded_models: tuple[str, ...] = ("actor", "reference", "rewards.model", "monitor.model")
+
+    def __init__(
+        self,
+        *,
+        actor: ModelSpec | dict | str,
+        reward_model: ModelSpec | dict | str | None,
+        reward_fn: str | None,
+        monitor_reward_fn: str | None,
+        reference: ModelSpec | dict | str | None,
+        generation: GenerationSettings | dict | None,
+        forward_batch_size: int,
+        num_minibatches: int,
+        kl_coef: float,
+        kl_target: float | None,
+        kl_horizon: int,
+        score_clip: float | None,
+        missing_eos_penalty: float | None,
+        max_rollouts: int | None,
+        log_samples_every: int,
+        num_log_samples: int,
+        rng_seed: int,
+        metric_prefix: str,
+        update_metrics: Sequence[str],
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        name = type(self).__name__
+        actor = ModelSpec.coerce(actor, "actor")
+        reward_model = None if reward_model is None else ModelSpec.coerce(reward_model, "reward_model")
+        reference = None if reference is None else ModelSpec.coerce(reference, "reference")
+        self.generation = GenerationSettings.coerce(generation, "generation")
+        check_online_args(
+            name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every
+        )
+        self.metric_prefix = metric_prefix
+        self.actor_lora = actor.lora is not None
+        self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
+        self._init_seed, self._init_rng_state = rng_seed, None
+        with self.seeded_init():  # seeded, so a resumed run rebuilds identical frozen models
+            self.actor = build_causal_lm(actor, self.tokenizer)
+            disable_dropout(self.actor)
+            if reference is not None:
+                self.reference = frozen_copy(build_causal_lm(reference, self.tokenizer))
+            else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
+                self.reference = None if actor.lora else frozen_copy(self.actor)
+            self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
+            self.monitor = (
+                None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
+            )
+        self.kl_ctl = (
+            F.FixedKLController(kl_coef)
+            if kl_target is None
+            else F.AdaptiveKLController(kl_coef, kl_target, kl_horizon)
+        )
+        self.buffer = ReplayBuffer(num_minibatches, rng_seed)
+        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_metrics)
+        self.rollouts_done = 0
+        self._rng_to_restore: tuple[torch.Tensor, list] | None = None
+        self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
+
+    @contextmanager
+    def seeded_init(self) -> Iterator[None]:
+        """Run model initialisations on the module's own CPU RNG stream seeded by ``rng_seed``.
+
+        Successive blocks continue one stream, and the global (training) RNG is left untouched, so a
+        resumed run rebuilds the same frozen and freshly initialised weights.
+        """
+        with torch.random.fork_rng():
+            if self._init_rng_state is None:
+                torch.manual_seed(self._init_seed)
+            else:
+                torch.set_rng_state(self._init_rng_state)
+            yield
+            self._init_rng_state = torch.get_rng_state()
+
+    def save_plain_hyperparameters(self, ignore: Sequence[str]) -> None:
+        """``save_hyperparameters`` of the subclass's ``__init__`` arguments, with dataclasses (ModelSpec,
+        GenerationSettings) stored as plain dicts, so ``hparams.yaml`` holds no ``!!python/object`` tags
+        and a checkpoint loads without unpickling library classes."""
+        self.save_hyperparameters(ignore=list(ignore), frame=inspect.currentframe().f_back)
+        for store in (self._hparams, self._hparams_initial):
+            for key, value in store.items():
+                if is_dataclass(value) and not isinstance(value, type):
+                    store[key] = asdict(value)
+
+    # -- rollout: generation and scoring --------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """K, the responses sampled per prompt."""
+        return self.generation.num_samples
+
+    def expand_prompts(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, P) prompts -> (G*K, P), each prompt's K copies contiguous (``repeat_interleave``)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.num_samples == 1:
+            return ids, mask
+        return ids.repeat_interleave(self.num_samples, dim=0), mask.repeat_interleave(self.num_samples, dim=0)
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor):
+        """One sampled response per row: (responses (B, T), response_mask (B, T), truncated (B,))."""
+        was_training = self.actor.training
+        self.actor.eval()
+        with generation_context(self, self.actor):
+            out = generate_responses(
+                self.actor, prompts, prompt_mask, self.generation,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1,
+            )  # fmt: skip
+        self.actor.train(was_training)
+        return out
+
+    def policy_and_values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Actor log-probs and entropy (B, T), and critic values (B, T) (None here: no critic)."""
+        logprobs, entropy, _ = policy_forward(
+            self.actor, input_ids, attention_mask, T, self.generation.temperature
+        )
+        return logprobs, entropy, None
+
+    def reference_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+    ) -> torch.Tensor:
+        """(B, T) log-probs of the reference policy (the actor with its LoRA adapters disabled if none)."""
+        with reference_logits_context(unwrap(self.actor)):
+            ref_model = self.reference if self.reference is not None else self.actor
+            ref_logprobs, _, _ = policy_forward(
+                ref_model, input_ids, attention_mask, T, self.generation.temperature
+            )
+        return ref_logprobs
+
+    @torch.no_grad()
+    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
+        """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
+
+        Runs in chunks of ``forward_batch_size`` rows so memory does not grow with the rollout, and
+        keeps no (B, T, V) logits.
+        """
+        parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
+        for rows in chunked(input_ids.shape[0], self.hparams.forward_batch_size):
+            ids, mask = input_ids[rows], attention_mask[rows]
+            logprobs, entropy, values = self.policy_and_values(ids, mask, T)
+            ref_logprobs = self.reference_logprobs(ids, mask, T)
+            for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
+                parts[key].append(value)
+        return tuple(None if v[0] is None else torch.cat(v) for v in parts.values())
+
+    @torch.no_grad()
+    def score_responses(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, truncated: torch.Tensor
+    ) -> torch.Tensor:
+        """(B,) sequence scores of the rollout (adjusted), and the monitor score logged on the side."""
+        chunk = self.hparams.forward_batch_size
+        scores = self.adjust_scores(self.rewards.score(input_ids, attention_mask, T, chunk), truncated)
+        if self.monitor is not None:
+            monitor = self.monitor.score(input_ids, attention_mask, T, chunk)
+            self.rollout_metrics.update({"monitor_score": monitor.mean()})
+        return scores
+
+    def adjust_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        """Missing-EOS penalty, then optional clipping of the sequence scores (seeds/000)."""
+        if self.hparams.missing_eos_penalty is not None:
+            scores = scores - self.hparams.missing_eos_penalty * truncated.float()
+        if self.hparams.score_clip is not None:
+            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
+        return scores
+
+    def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+        """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
+
+        One all-reduce of three numbers (count, sum, sum of squares), so a run on N ranks whitens like one
+        process holding the N rollouts; ``strategy.reduce`` is the identity on a single device.
+        """
+        moments = self.trainer.strategy.reduce(F.masked_moments(x, mask), reduce_op="sum")
+        return F.whiten_from_moments(x, mask, moments, shift_mean)
+
+    # -- update ---------------------------------------------------------------------------------------
+    def run_update_epochs(
+        self,
+        loss_fn: LossFn,
+        optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]],
+        epochs: int,
+        loss_aggregation: str = "token_mean",
+    ) -> float:
+        """``epochs`` passes over shuffled minibatches of the buffered rollout, one optimiser step each.
+
+        Each minibatch is processed in micro-batches of ``forward_batch_size`` rows whose losses are
+        weighted by their share of the minibatch (real tokens, or rows for the sequence-mean
+        aggregations), so the accumulated gradient equals the minibatch's loss. A minibatch whose mean
+        ratio exceeds ``ratio_threshold`` is skipped. Returns the mean KL(old || new) of the last epoch.
+        """
+        hp = self.hparams
+        for _ in range(epochs):
+            epoch_kl = []
+            for mb in self.buffer.minibatches():
+                stats: dict[str, torch.Tensor] = {}
+                for rows in chunked(mb.batch_size, hp.forward_batch_size):
+                    part = mb.select(rows)
+                    weight = F.aggregation_weight(part.response_mask, mb.response_mask, loss_aggregation)
+                    loss, part_stats = loss_fn(part)
+                    self.manual_backward(loss * weight)
+                    accumulate_stats(stats, part_stats, weight)
+                skip = hp.ratio_threshold is not None and stats["ratio_mean"] > hp.ratio_threshold
+                if not skip:
+                    for opt, model in optimized:
+                        if hp.max_grad_norm is not None:
+                            clip_grad_norm(self, opt, model, hp.max_grad_norm)
+                        opt.step()
+                for opt, _ in optimized:
+                    opt.zero_grad(set_to_none=True)
+                self.update_metrics.update({**stats, "skipped_minibatches": float(skip)})
+                epoch_kl.append(stats["policy_kl"])
+        return torch.stack(epoch_kl).mean().item()
+
+    def update_kl_controller(self, kl: torch.Tensor, response_mask: torch.Tensor) -> None:
+        """Advance the KL controller with the mean sequence KL of every rank's rows."""
+        global_kl = self.all_gather(F.masked_row_sum(kl, response_mask).mean()).mean().item()
+        self.kl_ctl.update(global_kl, n_steps=response_mask.shape[0] * self.trainer.world_size)
+
+    def lr_schedulers_list(self) -> list:
+        schedulers = self.lr_schedulers()
+        if schedulers is None:
+            return []
+        return schedulers if isinstance(schedulers, list) else [schedulers]
+
+    # -- metrics and samples --------------------------------------------------------------------------
+    def log_rollout_stats(
+        self,
+        scores: torch.Tensor,
+        sequence_rewards: torch.Tensor,
+        kl: torch.Tensor,
+        response_mask: torch.Tensor,
+        truncated: torch.Tensor,
+        entropy: torch.Tensor,
+    ) -> None:
+        """Rollout-level metrics, reduced across ranks by torchmetrics; group statistics when K >= 2."""
+        stats = {
+            "score": scores.mean(),
+            "reward": sequence_rewards.mean(),
+            "kl_ref": F.masked_row_sum(kl, response_mask).mean(),
+            "response_length": response_mask.sum(1).float().mean(),
+            "eos_rate": 1.0 - truncated.float().mean(),
+            "entropy": F.masked_mean(entropy, response_mask),
+        }
+        if self.num_samples >= 2:
+            stats["group_score_std"], stats["group_all_equal_frac"] = F.group_score_stats(
+                scores, self.num_samples
+            )
+        self.rollout_metrics.update(stats)
+
+    def schedule_metrics(self) -> dict[str, torch.Tensor]:
+        """Per-rollout values of the controllers and learning rates (without prefix)."""
+        return {"kl_coef": torch.tensor(self.kl_ctl.value)}
+
+    def finish_rollout(self, prompts, responses, response_mask, scores) -> None:
+        """Log the rollout's metrics and (every ``log_samples_every`` rollouts) a sample table; count it."""
+        metrics = {f"rollout/{k}": v for k, v in self.rollout_metrics.compute_and_reset().items()}
+        updates = {**self.update_metrics.compute_and_reset(), **self.schedule_metrics()}
+        metrics.update({f"{self.metric_prefix}/{k}": v for k, v in updates.items()})
+        self.log_dict(metrics, prog_bar=False, batch_size=responses.shape[0])
+        self.log("score", metrics["rollout/score"], prog_bar=True, logger=False)
+        self.log("kl", metrics["rollout/kl_ref"], prog_bar=True, logger=False)
+        self.rollouts_done += 1
+        every, n = self.hparams.log_samples_every, self.hparams.num_log_samples
+        if every and n and (self.rollouts_done - 1) % every == 0:
+            texts = self.tokenizer.batch_decode(prompts[:n], skip_special_tokens=True)
+            answers = self.rewards.decode_responses(responses[:n], response_mask[:n])
+            rows = [(p, r, f"{s:.3f}") for p, r, s in zip(texts, answers, scores[:n].tolist())]
+            log_text_table(self, "rollout/samples", ["prompt", "response", "score"], rows)
+        if self.hparams.max_rollouts is not None and self.rollouts_done >= self.hparams.max_rollouts:
+            self.trainer.should_stop = True
+
+    # -- Lightning hooks: sharding, checkpoints, export -----------------------------------------------
+    def configure_model(self) -> None:
+        shard_models(self, self.sharded_models)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if not is_sharded_checkpoint(self):  # a sharded checkpoint must hold every key (see there)
+            for prefix in ("reference.", "rewards.", "monitor."):
+                for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
+                    del checkpoint["state_dict"][key]
+            if self.actor_lora:
+                drop_frozen_weights(checkpoint, self.actor, "actor.")
+        checkpoint["online_state"] = {
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "rollouts_done": self.rollouts_done,
+            # generate() samples from the global RNG; restoring it makes a resumed run sample identically
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.rollouts_done = state["rollouts_done"]
+        # applied at the next training_step, after Lightning has finished restoring and set up the data
+        self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
+
+    def restore_rng(self) -> None:
+        """Apply the RNG state of a resumed checkpoint (once, at the first rollout after loading)."""
+        if self._rng_to_restore is not None:
+            cpu, cuda = self._rng_to_restore
+            torch.set_rng_state(cpu)
+            if cuda:
+                torch.cuda.set_rng_state_all(cuda)
+            self._rng_to_restore = None
+
+    def exported_models(self) -> dict[str, torch.nn.Module | None]:
+        """Sub-folder name -> model written by :meth:`export_pretrained`."""
+        return {"actor": self.actor}
+
+    def export_pretrained(self, folder: str) -> None:
+        """Write ``folder/actor`` (AutoModelForCausalLM) and the subclass's other trained models."""
+        for name, model in self.exported_models().items():
+            full = None if model is None else gather_for_export(self, model)  # collective under FSDP
+            if full is not None:
+                export_pretrained(full, self.tokenizer, f"{folder}/{name}")
+
+
+def check_online_args(
+    name: str,
+    reward_model: ModelSpec | None,
+    reward_fn: str | None,
+    forward_batch_size: int,
+    kl_coef: float,
+    max_rollouts: int | None,
+    log_samples_every: int,
+) -> None:
+    """Check the shared arguments early, with messages naming the module and the argument."""
+    if (reward_model is None) == (reward_fn is None):
+        raise ValueError(
+            f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
+        )
+    if forward_batch_size <= 0:
+        raise ValueError(f"{name}: forward_batch_size must be > 0, got {forward_batch_size}")
+    if kl_coef < 0:
+        raise ValueError(f"{name}: kl_coef must be >= 0, got {kl_coef}")
+    if max_rollouts is not None and max_rollouts < 1:
+        raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")
+    if log_samples_every < 0:
+        raise ValueError(f"{name}: log_samples_every must be >= 0, got {log_samples_every}")

@@ -1,0 +1,89 @@
+"""Where sequence scores come from: a reward model or a ``module:function`` rule.
+
+Used by every online-RL module, for the optimised reward and for the monitor reward that is only logged.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lit_rlhf.models import build_score_model, chunked, frozen_copy, load_tokenizer, reward_model_scores
+
+__all__ = ["RewardFn", "RewardSource", "import_reward_fn"]
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+def import_reward_fn(path: str) -> RewardFn:
+    """Import ``package.module:function``, a callable (prompts, responses) -> list of float scores."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward_fn must look like 'package.module:function', got {path!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward_fn {path!r} could not be imported: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"reward_fn {path!r} is not callable")
+    return fn
+
+
+class RewardSource(torch.nn.Module):
+    """Sequence scores from a reward model (scalar head at the last real token) or a Python function.
+
+    A reward model that shares the actor's tokenizer scores the token ids directly; one with another
+    vocabulary gets the decoded text re-tokenised with its own tokenizer.
+
+    Args:
+        reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), or None.
+        reward_fn: ``package.module:function`` (prompts, responses) -> scores, or None.
+        tokenizer: the actor's tokenizer.
+    """
+
+    def __init__(self, reward_model: Any, reward_fn: str | None, tokenizer: Any) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.fn = import_reward_fn(reward_fn) if reward_fn is not None else None
+        self.model = None
+        self.model_tokenizer = None
+        if reward_model is not None:
+            model_tokenizer = load_tokenizer(reward_model.tokenizer or reward_model.name_or_path)
+            self.model = frozen_copy(build_score_model(reward_model, model_tokenizer))
+            if model_tokenizer.get_vocab() != tokenizer.get_vocab():
+                self.model_tokenizer = model_tokenizer
+
+    def decode_responses(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        return [
+            self.tokenizer.decode(row[mask], skip_special_tokens=True)
+            for row, mask in zip(responses, response_mask)
+        ]
+
+    @torch.no_grad()
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, chunk_size: int
+    ) -> torch.Tensor:
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores."""
+        if self.fn is not None or self.model_tokenizer is not None:
+            prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
+            responses = self.decode_responses(
+                input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
+            )
+        if self.fn is not None:
+            scores = self.fn(prompts, responses)
+            if len(scores) != len(prompts):
+                raise ValueError(f"reward_fn returned {len(scores)} scores for {len(prompts)} responses")
+            return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=input_ids.device)
+        if self.model_tokenizer is not None:
+            texts = [p + r + self.model_tokenizer.eos_token for p, r in zip(prompts, responses)]
+            enc = self.model_tokenizer(texts, return_tensors="pt", padding=True).to(input_ids.device)
+            input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
+        return torch.cat(
+            [
+                reward_model_scores(self.model, input_ids[rows], attention_mask[rows])
+                for rows in chunked(input_ids.shape[0], chunk_size)
+            ]
+        )
