@@ -1,0 +1,290 @@
+"""Critic-free on-policy RLHF: GRPO, Dr. GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline behind one switch.
+
+One ``training_step`` = one rollout: sample K responses per prompt, score them, turn the scores into
+advantages with the chosen estimator (``functional/advantages.py``), then run ``ppo_epochs`` passes of
+the clipped surrogate over shuffled minibatches. There is no critic, no critic optimiser and no value
+loss; PPO with GAE and a critic is :class:`~lit_rlhf.modules.PPOModule`.
+
+The KL to the reference can be a per-token penalty in the reward (``kl_coef``, the RLOO and REINFORCE++
+way) and/or a loss term (``kl_loss_coef``, the GRPO way). Advantages follow OpenRLHF's construction:
+the (baselined) sequence score is placed at the last real token, the per-token KL penalty is added, and
+the advantage of token t is the discounted sum of what follows (with ``kl_coef`` = 0 and gamma = 1 this
+is the baselined score on every token).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from typing_extensions import override
+
+from lit_rlhf import functional as F
+from lit_rlhf.models import ModelSpec, policy_forward
+from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.optim import AdamW, resolve_total_steps
+from lit_rlhf.rollout import GenerationSettings, Rollout
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# estimators whose baseline is the other responses to the same prompt: they need K >= 2
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+POLICY_METRICS = (
+    "policy_loss", "kl_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "ratio_mean", "ratio_max",
+    "skipped_minibatches", "advantages_mean", "advantages_std",
+)  # fmt: skip
+
+
+def baselined_scores(scores: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
+    """(B,) scores -> (B,) per-sequence advantages of a group estimator, or the scores for ``reinforce_pp``."""
+    if estimator in ("grpo", "dr_grpo"):
+        return F.grpo_advantages(scores, group_size, scale_by_std=estimator == "grpo")
+    if estimator == "rloo":
+        return F.rloo_advantages(scores, group_size)
+    if estimator == "reinforce_pp_baseline":  # the group mean subtracted, then whitened like REINFORCE++
+        return F.grpo_advantages(scores, group_size, scale_by_std=False)
+    return scores
+
+
+class CriticFreeModule(OnlineRLModule):
+    """On-policy RLHF without a critic: the baseline comes from the other responses or the batch.
+
+    Args:
+        actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
+        reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
+        reward_fn: ``package.module:function`` mapping (prompts, responses) strings to float scores.
+        monitor_reward_fn: a second ``module:function`` scorer that is only logged
+            (``rollout/monitor_score``), never optimised.
+        reference: reference policy spec; None = the initial actor (its LoRA-disabled self for a LoRA actor).
+        advantage_estimator: ``grpo`` (group mean and std; Shao et al. 2024), ``dr_grpo`` (group mean
+            only; Liu et al. 2025), ``rloo`` (leave-one-out mean; Ahmadian et al. 2024), ``reinforce_pp``
+            (batch-whitened returns; Hu 2025) or ``reinforce_pp_baseline`` (group mean subtracted first).
+            All but ``reinforce_pp`` need ``generation.num_samples`` >= 2. ``gae`` needs a critic: PPOModule.
+        generation: sampling settings (``GenerationSettings`` or a dict of its fields); None =
+            ``GenerationSettings(num_samples=4)``. ``num_samples`` is K, the responses per prompt.
+        ppo_epochs: passes over each rollout.
+        num_minibatches: optimiser steps per pass (the rollout's rows are split evenly).
+        forward_batch_size: rows per forward pass (rollout scoring and gradient-accumulation micro-batches).
+        loss_aggregation: ``token_mean`` (every real token of the minibatch weighs the same),
+            ``seq_mean_token_mean`` (the original GRPO) or ``seq_mean_token_sum_norm`` (Dr. GRPO: token sums
+            divided by ``generation.max_new_tokens``).
+        clip_coef: lower epsilon of the clipped ratio (1 - clip_coef), and the upper one unless set below.
+        clip_coef_high: upper epsilon (1 + clip_coef_high), DAPO's "clip-higher" (e.g. 0.28); None = clip_coef.
+        importance_sampling_level: ``token`` ratios (PPO, GRPO) or one ``sequence`` ratio per response, the
+            geometric mean of its token ratios (GSPO, Zheng et al. 2025).
+        ent_coef: weight of the entropy bonus.
+        gamma: discount of the per-token returns (1.0 = every token gets the sequence's advantage).
+        kl_coef: coefficient of the per-token KL penalty in the reward (0 = no KL in the reward).
+        kl_target: target sequence KL for the adaptive controller of ``kl_coef``; None = fixed.
+        kl_horizon: horizon (in rollout rows) of the adaptive controller.
+        kl_estimator: per-token KL estimator in the reward: k1, k2, k3 or abs.
+        kl_loss_coef: weight of the KL-to-reference loss term (GRPO's; 0 = off).
+        kl_loss_estimator: per-token KL estimator of that term (GRPO uses k3).
+        ratio_threshold: skip a minibatch whose mean ratio exceeds this (None = never skip).
+        max_grad_norm: gradient-norm clip (None = off).
+        score_clip: clip scores to [-score_clip, score_clip] (None = off).
+        missing_eos_penalty: subtracted from the score of a response truncated without a stop token.
+        max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
+        log_samples_every: log a prompt/response/score table every this many rollouts (0 = never).
+        num_log_samples: rows of that table.
+        rng_seed: seed of the model initialisations and the minibatch shuffling.
+        actor_optimizer: optimiser factory of the actor.
+        actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
+    """
+
+    def __init__(
+        self,
+        actor: ModelSpec | dict | str,
+        reward_model: ModelSpec | dict | str | None = None,
+        reward_fn: str | None = None,
+        monitor_reward_fn: str | None = None,
+        reference: ModelSpec | dict | str | None = None,
+        advantage_estimator: AdvantageEstimator = "grpo",
+        generation: GenerationSettings | dict | None = None,
+        ppo_epochs: int = 4,
+        num_minibatches: int = 2,
+        forward_batch_size: int = 16,
+        loss_aggregation: Literal[
+            "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+        ] = "token_mean",
+        clip_coef: float = 0.2,
+        clip_coef_high: float | None = None,
+        importance_sampling_level: Literal["token", "sequence"] = "token",
+        ent_coef: float = 0.0,
+        gamma: float = 1.0,
+        kl_coef: float = 0.05,
+        kl_target: float | None = None,
+        kl_horizon: int = 10000,
+        kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1",
+        kl_loss_coef: float = 0.0,
+        kl_loss_estimator: Literal["k1", "k2", "k3", "abs"] = "k3",
+        ratio_threshold: float | None = 10.0,
+        max_grad_norm: float | None = 1.0,
+        score_clip: float | None = None,
+        missing_eos_penalty: float | None = None,
+        max_rollouts: int | None = None,
+        log_samples_every: int = 10,
+        num_log_samples: int = 4,
+        rng_seed: int = 0,
+        actor_optimizer: OptimizerCallable = AdamW,
+        actor_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        if generation is None:
+            generation = GenerationSettings(num_samples=4)
+        check_critic_free_args(locals())
+        super().__init__(
+            actor=actor, reward_model=reward_model, reward_fn=reward_fn, monitor_reward_fn=monitor_reward_fn,
+            reference=reference, generation=generation, forward_batch_size=forward_batch_size,
+            num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
+            score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
+            log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            metric_prefix="policy", update_metrics=POLICY_METRICS,
+        )  # fmt: skip
+        self.save_plain_hyperparameters(ignore=["actor_optimizer", "actor_scheduler"])
+        self.factories = (actor_optimizer, actor_scheduler)
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.restore_rng()
+        hp = self.hparams
+        # 1. Generate K responses per prompt with the current policy (each prompt's K rows contiguous).
+        prompts, prompt_mask = self.expand_prompts(batch)
+        responses, response_mask, truncated = self.generate(prompts, prompt_mask)
+        input_ids = torch.cat([prompts, responses], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        # 2. Score without gradients: old/ref log-probs and sequence scores.
+        T = responses.shape[1]
+        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(input_ids, attention_mask, T)
+        scores = self.score_responses(input_ids, attention_mask, T, truncated)
+        # 3. Advantages of the chosen estimator, per token.
+        advantages, kl = self.estimate_advantages(scores, old_logprobs, ref_logprobs, response_mask)
+        sequence_kl = F.masked_row_sum(kl, response_mask)
+        self.log_rollout_stats(
+            scores, scores - self.kl_ctl.value * sequence_kl, kl, response_mask, truncated, entropy
+        )
+        rollout = Rollout(
+            input_ids, attention_mask, response_mask, old_logprobs, ref_logprobs,
+            old_values=None, rewards=None, advantages=advantages, returns=None, scores=scores,
+        )  # fmt: skip
+        # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches.
+        self.buffer.put(rollout)
+        optimized = [(self.optimizers(), self.actor)]
+        self.run_update_epochs(self.policy_loss, optimized, hp.ppo_epochs, hp.loss_aggregation)
+        self.buffer.clear()
+        # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
+        self.update_kl_controller(kl, response_mask)
+        for scheduler in self.lr_schedulers_list():
+            scheduler.step()
+        self.finish_rollout(prompts, responses, response_mask, scores)
+
+    def estimate_advantages(
+        self,
+        scores: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) scores -> (B, T) advantages and the (B, T) per-token KL to the reference.
+
+        The estimator's per-sequence value goes to the last real token, the KL penalty (``kl_coef``) to
+        every token; the discounted returns of these rewards are the advantages, whitened over the
+        batch of every rank for the REINFORCE++ estimators.
+        """
+        hp = self.hparams
+        sequence_advantages = baselined_scores(scores, hp.advantage_estimator, self.num_samples)  # (B,)
+        rewards, kl = F.kl_shaped_rewards(
+            sequence_advantages, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
+        )  # (B, T) each
+        advantages = F.discounted_returns(rewards, response_mask, hp.gamma)  # (B, T)
+        self.update_metrics.update(
+            {
+                "advantages_mean": F.masked_mean(advantages, response_mask),
+                "advantages_std": F.masked_var(advantages, response_mask).sqrt(),
+            }
+        )
+        if hp.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+            advantages = self.whiten(advantages, response_mask)  # (B, T)
+        return advantages, kl
+
+    def policy_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped surrogate (+ kl_loss_coef * KL to the reference - ent_coef * entropy) on one micro-batch."""
+        hp, mask, T = self.hparams, part.response_mask, part.response_mask.shape[1]
+        logprobs, entropy, _ = policy_forward(
+            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature,
+            entropy_grad=hp.ent_coef > 0,
+        )  # fmt: skip
+        aggregation = dict(
+            loss_aggregation=hp.loss_aggregation, max_response_length=self.generation.max_new_tokens
+        )
+        pg_loss, stats = F.ppo_policy_loss(
+            logprobs, part.old_logprobs, part.advantages, mask, hp.clip_coef, hp.clip_coef_high,
+            importance_sampling_level=hp.importance_sampling_level, **aggregation,
+        )  # fmt: skip
+        mean_entropy = F.masked_mean(entropy, mask)
+        loss = pg_loss - hp.ent_coef * mean_entropy
+        if hp.kl_loss_coef > 0:
+            kl_loss, kl_stats = F.reference_kl_loss(
+                logprobs, part.ref_logprobs, mask, hp.kl_loss_estimator, **aggregation
+            )
+            loss = loss + hp.kl_loss_coef * kl_loss
+            stats.update(kl_stats)
+        stats.update(policy_loss=pg_loss.detach(), entropy=mean_entropy.detach())
+        return loss, stats
+
+    @override
+    def schedule_metrics(self) -> dict[str, torch.Tensor]:
+        metrics = super().schedule_metrics()
+        metrics["lr_actor"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
+        return metrics
+
+    @override
+    def configure_optimizers(self):
+        optimizer_fn, scheduler_fn = self.factories
+        optimizer = optimizer_fn([p for p in self.actor.parameters() if p.requires_grad])
+        if scheduler_fn is None:
+            return optimizer
+        scheduler = scheduler_fn(optimizer)
+        resolve_total_steps(scheduler, self.hparams.max_rollouts or self.trainer.estimated_stepping_batches)
+        return [optimizer], [scheduler]
+
+
+def check_critic_free_args(args: dict) -> None:
+    """Check CriticFreeModule's own arguments early, with messages naming the argument."""
+    name, estimator = "CriticFreeModule", args["advantage_estimator"]
+    if estimator == "gae":
+        raise ValueError(
+            f"{name}: advantage_estimator='gae' needs a critic; use lit_rlhf.modules.PPOModule for GAE"
+        )
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"{name}: advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}"
+        )
+    generation = GenerationSettings.coerce(args["generation"], "generation")
+    if estimator in GROUP_ESTIMATORS and generation.num_samples < 2:
+        raise ValueError(
+            f"{name}: advantage_estimator={estimator!r} needs generation.num_samples >= 2 (its baseline is "
+            f"the other responses to the same prompt), got num_samples={generation.num_samples}"
+        )
+    for key in ("ppo_epochs", "num_minibatches", "forward_batch_size", "clip_coef"):
+        if args[key] <= 0:
+            raise ValueError(f"{name}: {key} must be > 0, got {args[key]}")
+    if args["clip_coef_high"] is not None and args["clip_coef_high"] <= 0:
+        raise ValueError(f"{name}: clip_coef_high must be > 0 or None, got {args['clip_coef_high']}")
+    for key in ("ent_coef", "kl_coef", "kl_loss_coef"):
+        if args[key] < 0:
+            raise ValueError(f"{name}: {key} must be >= 0, got {args[key]}")
+    if not 0.0 <= args["gamma"] <= 1.0:
+        raise ValueError(f"{name}: gamma must be in [0, 1], got {args['gamma']}")
+    if args["loss_aggregation"] not in F.LOSS_AGGREGATIONS:
+        raise ValueError(
+            f"{name}: loss_aggregation must be one of {F.LOSS_AGGREGATIONS}, got {args['loss_aggregation']!r}"
+        )
+    if args["importance_sampling_level"] not in F.IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"{name}: importance_sampling_level must be 'token' or 'sequence', "
+            f"got {args['importance_sampling_level']!r}"
+        )
+    for key in ("kl_estimator", "kl_loss_estimator"):
+        if args[key] not in F.KL_ESTIMATORS:
+            raise ValueError(f"{name}: {key} must be one of {F.KL_ESTIMATORS}, got {args[key]!r}")
