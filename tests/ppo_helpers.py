@@ -1,4 +1,4 @@
-"""Shared builders for the PPO tests: a tiny prompt loader and a tiny PPOModule."""
+"""Shared builders for the online-RL tests: a tiny prompt loader, a tiny PPOModule and CriticFreeModule."""
 
 from __future__ import annotations
 
@@ -6,10 +6,19 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_rlhf.models import ModelSpec, load_tokenizer
-from lit_rlhf.modules import PPOModule
+from lit_rlhf.modules import CriticFreeModule, PPOModule
 from lit_rlhf.rollout import GenerationSettings
 
-PROMPTS = ["the food was", "i loved the", "the staff is", "we hated", "the movie", "a room", "it was", "the plot"]
+PROMPTS = [
+    "the food was",
+    "i loved the",
+    "the staff is",
+    "we hated",
+    "the movie",
+    "a room",
+    "it was",
+    "the plot",
+]
 
 
 def prompt_loader(tokenizer_dir: str, n: int = 16, batch_size: int = 8) -> torch.utils.data.DataLoader:
@@ -46,6 +55,22 @@ def tiny_ppo(tokenizer_dir: str, config: dict, cls: type[PPOModule] = PPOModule,
     )
     kwargs.update(overrides)
     return cls(**kwargs)
+
+
+def tiny_critic_free(tokenizer_dir: str, config: dict, **overrides) -> CriticFreeModule:
+    """GRPO with K = 4 samples per prompt on the 'the' count (override advantage_estimator etc.)."""
+    kwargs = dict(
+        actor={"config": config, "tokenizer": tokenizer_dir, "seed": 0},
+        reward_fn="ppo_rewards:the_count",
+        generation={"max_new_tokens": 8, "num_samples": 4},
+        ppo_epochs=4,
+        num_minibatches=2,
+        forward_batch_size=8,
+        log_samples_every=0,
+        actor_optimizer=adamw(1e-2),
+    )
+    kwargs.update(overrides)
+    return CriticFreeModule(**kwargs)
 
 
 def trainer(tmp_path, **kwargs) -> Trainer:

@@ -1,0 +1,172 @@
+"""CriticFreeModule: argument checks, no critic, every estimator learns a rule reward, exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpt2_config
+from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
+from test_ppo import StopAfter, read_metrics
+
+from lit_rlhf.models import ModelSpec
+from lit_rlhf.rollout import GenerationSettings
+
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (
+            {"generation": {"num_samples": 1}},
+            ValueError,
+            "advantage_estimator='grpo' needs generation.num_samples >= 2",
+        ),
+        (
+            {"advantage_estimator": "rloo", "generation": GenerationSettings()},
+            ValueError,
+            "'rloo' needs generation.num_samples >= 2",
+        ),
+        ({"advantage_estimator": "gae"}, ValueError, "needs a critic; use lit_rlhf.modules.PPOModule"),
+        ({"advantage_estimator": "ppo"}, ValueError, "advantage_estimator must be one of"),
+        ({"loss_aggregation": "sum"}, ValueError, "loss_aggregation must be one of"),
+        ({"importance_sampling_level": "word"}, ValueError, "importance_sampling_level must be"),
+        ({"clip_coef_high": 0.0}, ValueError, "clip_coef_high must be > 0"),
+        ({"kl_loss_coef": -1.0}, ValueError, "kl_loss_coef must be >= 0"),
+        ({"reward_fn": None}, ValueError, "exactly one of reward_model"),
+        ({"generation": {"max_new_token": 8}}, TypeError, "generation: unknown GenerationSettings field"),
+        ({"generation": {"temperature": 0.0, "num_samples": 2}}, ValueError, "generation.temperature"),
+        ({"generation": {"num_samples": 0}}, ValueError, "generation.num_samples must be >= 1"),
+        ({"actor": 3}, TypeError, "actor: expected a ModelSpec"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(tokenizer_dir, overrides, error, message):
+    with pytest.raises(error, match=message):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), **overrides)
+
+
+def test_reinforce_pp_accepts_one_sample_and_no_critic_exists(tokenizer_dir):
+    module = tiny_critic_free(
+        tokenizer_dir, gpt2_config(), advantage_estimator="reinforce_pp", generation={"num_samples": 1}
+    )
+    assert module.num_samples == 1
+    assert not hasattr(module, "critic") and not hasattr(module, "value_head")
+    trainable = {name.split(".")[0] for name, p in module.named_parameters() if p.requires_grad}
+    assert trainable == {"actor"}
+
+
+def test_prompts_are_repeated_contiguously(tokenizer_dir):
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), generation={"num_samples": 3})
+    batch = next(iter(prompt_loader(tokenizer_dir, n=4, batch_size=4)))
+    ids, mask = module.expand_prompts(batch)
+    assert ids.shape[0] == 12
+    for g in range(4):  # rows g*K .. g*K+K-1 hold prompt g
+        assert all(torch.equal(ids[g * 3 + k], batch["input_ids"][g]) for k in range(3))
+        assert all(torch.equal(mask[g * 3 + k], batch["attention_mask"][g]) for k in range(3))
+
+
+def _score_rise(rows, n=5):
+    first = sum(r["rollout/score"] for r in rows[:n]) / n
+    last = sum(r["rollout/score"] for r in rows[-n:]) / n
+    return first, last
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_each_estimator_raises_the_rule_reward(tokenizer_dir, tmp_path, estimator):
+    # 4 prompts x K = 4 responses per rollout; the random policy writes 'the' rarely.
+    torch.manual_seed(0)
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), advantage_estimator=estimator, max_rollouts=20)
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 20
+    first, last = _score_rise(rows)
+    assert first < 0.5 and last > first + 1.5, (first, last)
+    assert rows[0]["rollout/kl_ref"] == pytest.approx(0.0, abs=1e-5)
+    expected = {
+        "rollout/group_score_std",
+        "rollout/group_all_equal_frac",
+        "policy/policy_loss",
+        "policy/kl_coef",
+    }
+    expected |= {"policy/clipfrac", "policy/approx_kl", "policy/advantages_std", "policy/lr_actor"}
+    assert expected <= set(rows[-1])
+    assert not any(k.startswith("ppo/") or "value" in k for row in rows for k in row), "no critic metrics"
+    # a rollout whose K scores are all equal in every group (and without KL yet) has zero advantages
+    for row in rows:
+        no_signal = row["rollout/group_all_equal_frac"] == 1.0 and row["rollout/kl_ref"] == 0.0
+        if no_signal and estimator != "reinforce_pp":
+            assert row["policy/policy_loss"] == 0.0
+
+
+def test_grpo_with_kl_in_the_loss_clip_higher_and_sequence_means(tokenizer_dir, tmp_path):
+    # The original GRPO recipe: KL as a k3 loss term, not in the reward, per-response token means;
+    # with DAPO's clip-higher.
+    torch.manual_seed(0)
+    module = tiny_critic_free(
+        tokenizer_dir, gpt2_config(), kl_coef=0.0, kl_loss_coef=0.05, loss_aggregation="seq_mean_token_mean",
+        clip_coef_high=0.28, max_rollouts=20,
+    )  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
+    rows = read_metrics(tmp_path)
+    first, last = _score_rise(rows)
+    assert last > first + 1.5, (first, last)
+    for row in rows:  # no KL in the reward
+        assert row["rollout/reward"] == pytest.approx(row["rollout/score"])
+    assert rows[-1]["policy/kl_loss"] > 0
+
+
+def test_dr_grpo_with_sequence_ratio_learns(tokenizer_dir, tmp_path):
+    torch.manual_seed(0)
+    module = tiny_critic_free(
+        tokenizer_dir, gpt2_config(), advantage_estimator="dr_grpo", loss_aggregation="seq_mean_token_sum_norm",
+        importance_sampling_level="sequence", max_rollouts=20,
+    )  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
+    first, last = _score_rise(read_metrics(tmp_path))
+    assert last > first + 1.5, (first, last)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt_file):
+    # 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics (same prompts,
+    # sampling RNG, optimiser, adaptive KL controller and buffer RNG).
+    from lit_rlhf.data import PromptDataModule
+
+    def run(root, callbacks=(), ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_critic_free(
+            tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0, kl_loss_coef=0.01
+        )
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(
+            module, data, ckpt_path=ckpt_path
+        )
+        return read_metrics(root)
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "part", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    assert len(full) == 4 and len(resumed) == 2
+    for a, b in zip(full[2:], resumed):
+        assert set(a) == set(b)
+        for key in a:
+            if key not in ("epoch", "step"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("kind", ["ppo", "critic_free"])
+def test_hparams_are_plain_values(tokenizer_dir, tmp_path, kind):
+    # Python objects passed as settings are stored as plain dicts: hparams.yaml has no python tags,
+    # and the module rebuilds from its own hparams.
+    spec = ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=0)
+    settings = GenerationSettings(max_new_tokens=4, num_samples=2)
+    build = tiny_ppo if kind == "ppo" else tiny_critic_free
+    module = build(tokenizer_dir, gpt2_config(), actor=spec, generation=settings, max_rollouts=1)
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    (hparams,) = tmp_path.glob("ppo/version_*/hparams.yaml")
+    text = hparams.read_text()
+    assert "!!python" not in text and "num_samples: 2" in text
+    assert module.hparams.actor == {**spec.__dict__}
+    rebuilt = type(module)(**{k: v for k, v in module.hparams.items()})
+    assert rebuilt.generation == settings
+    (row,) = read_metrics(tmp_path)
+    assert "rollout/group_score_std" in row  # K = 2 for PPO too
