@@ -5,7 +5,8 @@
     python tests/distributed_worker.py --strategy single --tokenizer TOK_DIR --out OUT_DIR
 
 Runs a reward-model fit, PPO fits (full fine-tuning with a separate critic; LoRA with a shared
-backbone) and, under ``--resume``, PPO saved after one rollout and resumed. Every run uses the same
+backbone) and, under ``--resume``, PPO saved after one rollout and resumed; ``--runs grpo`` runs a GRPO
+fit (K = 2 sampled responses per prompt) instead. Every run uses the same
 global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
 the first rollout's greedy responses (keyed by prompt) and the wall time per rollout.
 """
@@ -32,7 +33,7 @@ from conftest import llama_config  # noqa: E402
 from ppo_helpers import PROMPTS, adamw  # noqa: E402
 
 from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
-from lit_rlhf.modules import PPOModule, RewardModelModule  # noqa: E402
+from lit_rlhf.modules import CriticFreeModule, PPOModule, RewardModelModule  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -217,22 +218,79 @@ def run_resume(args, tok) -> dict:
     return {"first": ppo_rows(args, "resume_a"), "rest": ppo_rows(args, "resume_b"), "sharded": Path(ckpt).is_dir()}
 
 
+# -- GRPO --------------------------------------------------------------------------------------------
+class RowSeededGRPO(CriticFreeModule):
+    """GRPO whose responses do not depend on how the rows are split across ranks.
+
+    K >= 2 responses to one prompt must differ, so the greedy decoding of the PPO runs cannot be used;
+    instead each row is sampled alone with a seed made of its prompt, its copy index and the rollout
+    number. Responses then end at different lengths, so the run uses per-response means
+    (``seq_mean_token_mean``): a mean over equal numbers of rows per rank equals the global one.
+    """
+
+    def generate(self, prompts, prompt_mask):
+        rows = []
+        for i in range(prompts.shape[0]):
+            seed = int(prompts[i][prompt_mask[i].bool()].sum()) * 1009 + (i % self.num_samples) * 101
+            with torch.random.fork_rng():
+                torch.manual_seed(seed + self.rollouts_done)
+                rows.append(super().generate(prompts[i : i + 1], prompt_mask[i : i + 1]))
+        width = max(r[0].shape[1] for r in rows)
+        pad = self.tokenizer.pad_token_id
+        responses = torch.cat(
+            [torch.nn.functional.pad(r[0], (0, width - r[0].shape[1]), value=pad) for r in rows]
+        )
+        response_mask = torch.cat([torch.nn.functional.pad(r[1], (0, width - r[1].shape[1])) for r in rows])
+        return responses, response_mask, torch.cat([r[2] for r in rows])
+
+
+GRPO_KEYS = (
+    "policy/policy_loss", "policy/kl_loss", "rollout/score", "rollout/kl_ref", "rollout/response_length",
+    "rollout/group_score_std", "rollout/group_all_equal_frac", "policy/kl_coef",
+)  # fmt: skip
+
+
+def run_grpo(args, tok) -> dict:
+    seed_everything(0)
+    module = RowSeededGRPO(
+        actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
+        reward_fn="ppo_rewards:e_rate",
+        generation=GenerationSettings(max_new_tokens=6, num_samples=2),
+        ppo_epochs=2,
+        num_minibatches=1,
+        forward_batch_size=4,
+        loss_aggregation="seq_mean_token_mean",
+        kl_coef=0.05,
+        kl_target=1.0,
+        kl_loss_coef=0.05,
+        log_samples_every=0,
+        actor_optimizer=adamw(1e-2),
+    )
+    make_trainer(args, "grpo", max_epochs=3).fit(module, prompt_loader(args, tok))
+    rows = [r for r in read_csv(args.out, "grpo") if "policy/policy_loss" in r]
+    return {"metrics": {key: [r[key] for r in rows] for key in GRPO_KEYS}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2", "fsdp1"], required=True)
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--runs", choices=["ppo", "grpo"], default="ppo", help="RM + PPO runs, or GRPO")
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(args.tokenizer)
-    results = {
-        "rm": run_rm(args, tok),
-        "ppo": run_ppo(args, tok, "ppo", lora=False),
-        "ppo_lora": run_ppo(args, tok, "ppo_lora", lora=True),
-    }
-    if args.resume:
+    if args.runs == "grpo":
+        results = {"grpo": run_grpo(args, tok)}
+    else:
+        results = {
+            "rm": run_rm(args, tok),
+            "ppo": run_ppo(args, tok, "ppo", lora=False),
+            "ppo_lora": run_ppo(args, tok, "ppo_lora", lora=True),
+        }
+    if args.resume and args.runs == "ppo":
         results["resume"] = run_resume(args, tok)
     if not dist.is_initialized() or dist.get_rank() == 0:
         (Path(args.out) / "results.json").write_text(json.dumps(results))

@@ -1,8 +1,8 @@
 """RM and PPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
 Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, PPO
-fit, LoRA PPO fit; FSDP2 also saves sharded after one rollout and resumes); the single-process run of
-the same script with the same global batch is the reference. Deselected by ``make test``
+fit, LoRA PPO fit; FSDP2 also saves sharded after one rollout and resumes), and FSDP2 a GRPO fit; the
+single-process run of the same script with the same global batch is the reference. Deselected by ``make test``
 (``-m "not distributed"``); run with ``pytest -m distributed tests/test_distributed.py``.
 """
 
@@ -28,20 +28,21 @@ def run(tokenizer_dir, tmp_path_factory):
     """strategy -> the worker's results.json (each strategy launched at most once per module)."""
     cache: dict[str, dict] = {}
 
-    def _run(strategy: str) -> dict:
-        if strategy not in cache:
-            out = tmp_path_factory.mktemp(strategy)
+    def _run(strategy: str, runs: str = "ppo") -> dict:
+        if (strategy, runs) not in cache:
+            out = tmp_path_factory.mktemp(f"{strategy}_{runs}")
             launch = [sys.executable]
             if strategy != "single":
                 launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
             cmd = [*launch, str(WORKER), "--strategy", strategy, "--tokenizer", tokenizer_dir, "--out", str(out)]
-            if strategy == "fsdp2":
+            cmd += ["--runs", runs]
+            if strategy == "fsdp2" and runs == "ppo":
                 cmd.append("--resume")
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[strategy] = json.loads((out / "results.json").read_text())
-        return cache[strategy]
+            cache[strategy, runs] = json.loads((out / "results.json").read_text())
+        return cache[strategy, runs]
 
     return _run
 
@@ -89,3 +90,14 @@ def test_fsdp2_sharded_resume_equals_uninterrupted(run):
     for key, values in full.items():
         # rollout 1 before the checkpoint, rollouts 2-3 after resuming in a fresh module and trainer
         assert_close_lists(resume["first"][key] + resume["rest"][key], values, f"resume {key}")
+
+
+def test_fsdp2_grpo_equals_single_process(run):
+    # K = 2 sampled responses per prompt, groups local to each rank, KL in the reward (adaptive) and in
+    # the loss, per-response means: every logged mean equals the single process's.
+    expected, actual = run("single", "grpo")["grpo"]["metrics"], run("fsdp2", "grpo")["grpo"]["metrics"]
+    assert len(expected["rollout/score"]) == 3
+    assert any(s > 0 for s in expected["rollout/group_score_std"]), "some group carries signal"
+    for key, values in expected.items():
+        assert_close_lists(actual[key], values, f"fsdp2 grpo {key}")
+    assert actual["rollout/kl_ref"][2] > 0.01, "the policy moved"
