@@ -147,7 +147,6 @@ class CriticFreeModule(OnlineRLModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.restore_rng()
-        hp = self.hparams
         # 1. Generate K responses per prompt with the current policy (each prompt's K rows contiguous).
         prompts, prompt_mask = self.expand_prompts(batch)
         responses, response_mask, truncated = self.generate(prompts, prompt_mask)
@@ -169,8 +168,7 @@ class CriticFreeModule(OnlineRLModule):
         )  # fmt: skip
         # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches.
         self.buffer.put(rollout)
-        optimized = [(self.optimizers(), self.actor)]
-        self.run_update_epochs(self.policy_loss, optimized, hp.ppo_epochs, hp.loss_aggregation)
+        self.update_policy()
         self.buffer.clear()
         # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
         self.update_kl_controller(kl, response_mask)
@@ -206,6 +204,15 @@ class CriticFreeModule(OnlineRLModule):
         if hp.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
             advantages = self.whiten(advantages, response_mask)  # (B, T)
         return advantages, kl
+
+    def update_policy(self) -> float:
+        """The update phase: ``ppo_epochs`` passes of :meth:`policy_loss` over the buffered rollout.
+
+        Returns the mean KL(old || new) of the last epoch.
+        """
+        hp = self.hparams
+        optimized = [(self.optimizers(), self.actor)]
+        return self.run_update_epochs(self.policy_loss, optimized, hp.ppo_epochs, hp.loss_aggregation)
 
     def policy_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate (+ kl_loss_coef * KL to the reference - ent_coef * entropy) on one micro-batch."""
