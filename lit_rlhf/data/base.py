@@ -107,6 +107,7 @@ class RLHFDataModule(LightningDataModule):
         self.collator = self.collator_class(self.tokenizer.pad_token_id)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
         self.train_sampler: ResumableSampler | None = None
         # per split: rows (before the length policy), truncated, dropped
         self.stats: dict[str, dict[str, int]] = {}
@@ -120,10 +121,14 @@ class RLHFDataModule(LightningDataModule):
         self._encode(hp.train_path, hp.split)
         if hp.val_path is not None:
             self._encode(hp.val_path, hp.val_split or hp.split)
+        if hp.get("test_path") is not None:
+            self._encode(hp.test_path, hp.get("test_split") or hp.split)
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:
+        if stage in (None, "test"):
+            self._setup_test()
+        if stage == "test" or self.train_dataset is not None:
             return
         hp = self.hparams
         train = self._encode(hp.train_path, hp.split)
@@ -134,6 +139,13 @@ class RLHFDataModule(LightningDataModule):
             train, val = carve_validation(train, hp.val_fraction, hp.seed, hp.train_path)
         self.train_dataset = self._apply_length_policy(train, "train", hp.train_path)
         self.val_dataset = None if val is None else self._apply_length_policy(val, "val", val_source)
+
+    def _setup_test(self) -> None:
+        """The test split (``lit-rlhf test`` / ``trainer.test``): ``test_path``, read like ``train_path``."""
+        hp = self.hparams
+        if self.test_dataset is None and hp.get("test_path") is not None:
+            test = self._encode(hp.test_path, hp.get("test_split") or hp.split)
+            self.test_dataset = self._apply_length_policy(test, "test", hp.test_path)
 
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
@@ -196,6 +208,16 @@ class RLHFDataModule(LightningDataModule):
             return []  # Lightning skips validation on an empty list
         hp = self.hparams
         return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        if self.test_dataset is None:
+            raise ValueError(
+                f"{type(self).__name__}: testing needs held-out rows: set `test_path` (a source like"
+                " `train_path`, e.g. --data.init_args.test_path=data/tiny/prefs_test.jsonl)"
+            )
+        hp = self.hparams
+        return self._loader(self.test_dataset, hp.val_batch_size or hp.batch_size, None, False)
 
     def _drop_last(self) -> bool:
         return bool(self.hparams.get("drop_last", False))

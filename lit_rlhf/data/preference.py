@@ -48,6 +48,8 @@ class PreferenceDataModule(RLHFDataModule):
         num_workers: int = 0,
         seed: int = 0,
         val_split: str | None = None,
+        test_path: str | None = None,
+        test_split: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         """
@@ -67,6 +69,8 @@ class PreferenceDataModule(RLHFDataModule):
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order.
             val_split: split to load from ``val_path``; None means ``split``.
+            test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
+            test_split: split to load from ``test_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

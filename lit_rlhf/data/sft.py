@@ -39,6 +39,8 @@ class SFTDataModule(RLHFDataModule):
         seed: int = 0,
         split: str = "train",
         val_split: str | None = None,
+        test_path: str | None = None,
+        test_split: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         """
@@ -57,6 +59,8 @@ class SFTDataModule(RLHFDataModule):
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
+            test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
+            test_split: split to load from ``test_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()
