@@ -9,6 +9,7 @@ in ``stats``. The training loader uses :class:`ResumableSampler`; its position i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -70,6 +71,15 @@ def encode_batch(
         for name, value in extras.items():
             out.setdefault(name, []).append(value)
     return out
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or when None the global seed of ``seed_everything`` (its ``PL_GLOBAL_SEED``; 0 if unset).
+
+    An exact resume needs the same global seed: LightningCLI writes the seed it drew into the run's
+    ``config.yaml`` (``seed_everything: <int>``), so re-running that config resumes identically.
+    """
+    return seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 def _not_over_length(flags: list[bool]) -> list[bool]:
@@ -136,7 +146,7 @@ class RLHFDataModule(LightningDataModule):
         if hp.val_path is not None:
             val = self._encode(hp.val_path, hp.val_split or hp.split)
         elif hp.val_fraction > 0:
-            train, val = carve_validation(train, hp.val_fraction, hp.seed, hp.train_path)
+            train, val = carve_validation(train, hp.val_fraction, resolve_seed(hp.seed), hp.train_path)
         self.train_dataset = self._apply_length_policy(train, "train", hp.train_path)
         self.val_dataset = None if val is None else self._apply_length_policy(val, "val", val_source)
 
@@ -190,7 +200,9 @@ class RLHFDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before train_dataloader()")
-        self.train_sampler = ResumableSampler(self.train_dataset, shuffle=True, seed=self.hparams.seed)
+        self.train_sampler = ResumableSampler(
+            self.train_dataset, shuffle=True, seed=resolve_seed(self.hparams.seed)
+        )
         self.train_sampler.set_epoch(self._resume["epoch"])
         self.train_sampler.set_consumed(self._resume["consumed"])
         if self._drop_last() and len(self.train_sampler) < self.hparams.batch_size:

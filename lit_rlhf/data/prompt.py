@@ -35,7 +35,7 @@ class PromptDataModule(RLHFDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         num_workers: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
         split: str = "train",
         val_split: str | None = None,
         test_path: str | None = None,
@@ -54,7 +54,8 @@ class PromptDataModule(RLHFDataModule):
             batch_size: prompts per training batch (per rank).
             val_batch_size: prompts per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
-            seed: seed of the validation carve-out and of the training order.
+            seed: seed of the validation carve-out and of the training order; None follows the global
+                seed (``seed_everything``).
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
