@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -56,6 +57,12 @@ def quiet_lightning(module: LightningModule | None = None) -> None:
             log.addFilter(_DropMessages())
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    if not sys.stderr.isatty():  # in a log file, carriage-return bars of datasets/transformers are noise
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     if module is not None and getattr(module, "frozen_models_in_eval_mode", hasattr(module, "rollouts_done")):
         warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
 
@@ -73,6 +80,8 @@ class LitRLHFCLI(LightningCLI):
 
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         quiet_lightning(self.model)
+        if self.subcommand in ("validate", "test", "predict"):  # no checkpoints are written: moot
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         kwargs["callbacks"] = given + default_callbacks(self.model, config)
