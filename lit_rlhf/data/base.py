@@ -131,8 +131,6 @@ class RLHFDataModule(LightningDataModule):
         self._encode(hp.train_path, hp.split)
         if hp.val_path is not None:
             self._encode(hp.val_path, hp.val_split or hp.split)
-        if hp.get("test_path") is not None:
-            self._encode(hp.test_path, hp.get("test_split") or hp.split)
 
     @override
     def setup(self, stage: str | None = None) -> None:
