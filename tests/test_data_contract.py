@@ -34,6 +34,9 @@ def test_trl_reward_layout_is_named_with_what_to_use():
 def test_sft_without_response_mask_and_text_rows():
     with pytest.raises(BatchContractError, match=r"lacks \['response_mask'\].*SFTDataModule"):
         check_batch({"input_ids": torch.ones(2, 3), "attention_mask": torch.ones(2, 3)}, "sft")
+    trl_sft = {"input_ids": torch.ones(2, 3), "attention_mask": torch.ones(2, 3), "completion_mask": torch.ones(2, 3)}
+    with pytest.raises(BatchContractError, match="TRL SFTTrainer's layout"):
+        check_batch(trl_sft, "sft")
     with pytest.raises(BatchContractError, match="untokenised text rows"):
         check_batch({"prompt": ["a"], "completion": ["b"]}, "sft")
 

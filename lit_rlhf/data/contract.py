@@ -46,6 +46,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, str]] = {
 FOREIGN_KEYS: dict[str, str] = {
     "input_ids_chosen": "TRL RewardTrainer's paired layout (input_ids_chosen/input_ids_rejected)",
     "chosen_input_ids": "TRL DPOTrainer's layout (prompt_input_ids/chosen_input_ids/rejected_input_ids)",
+    "completion_mask": "TRL SFTTrainer's layout (completion_mask; lit_rlhf calls it response_mask)",
     "prompt_input_ids": "untensorised lit_rlhf rows (prompt_input_ids before the collator)",
     "chosen": "untokenised text rows (prompt/chosen/rejected strings)",
     "prompt": "untokenised text rows (prompt strings)",
