@@ -153,3 +153,14 @@ def test_data_and_model_seeds_follow_seed_everything_unless_given(tiny_data):
 
     assert torch.equal(weights(1, None), weights(1, None)) and not torch.equal(weights(1, None), weights(2, None))
     assert torch.equal(weights(1, 5), weights(2, 5))
+
+
+def test_modules_check_the_batch_layout(tiny_data):
+    from lit_rlhf.data.contract import BatchContractError
+
+    spec = {"config": TINY_GPT2, "tokenizer": f"{tiny_data}/tokenizer"}
+    trl_pairs = {"input_ids_chosen": torch.ones(2, 4, dtype=torch.long), "attention_mask_chosen": torch.ones(2, 4)}
+    with pytest.raises(BatchContractError, match="RewardModelModule expects a 'preference' batch.*TRL RewardTrainer"):
+        RewardModelModule(spec).training_step(trl_pairs, 0)
+    with pytest.raises(BatchContractError, match="SFTModule expects an? 'sft' batch.*SFTDataModule"):
+        SFTModule(spec).validation_step({"input_ids": torch.ones(2, 4, dtype=torch.long)}, 0)

@@ -54,6 +54,7 @@ class SFTModule(SingleModelModule):
         self._sample_prompts: list[torch.Tensor] = []
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_batch(batch, "sft", type(self).__name__)  # a clear message instead of a KeyError
         logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
         # Token t is predicted from position t-1 (shift by one).
         labels = batch["input_ids"][:, 1:]
@@ -65,7 +66,6 @@ class SFTModule(SingleModelModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        check_batch(batch, "sft", type(self).__name__)
         loss, acc, n_tokens = self._step(batch)
         self.train_nll.update(loss.detach(), n_tokens)
         self.train_acc.update(acc, n_tokens)
@@ -95,7 +95,6 @@ class SFTModule(SingleModelModule):
         self._eval_epoch_end("test")
 
     def _eval_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        check_batch(batch, "sft", type(self).__name__)
         loss, acc, n_tokens = self._step(batch)
         nll, token_acc = getattr(self, f"{stage}_nll"), getattr(self, f"{stage}_acc")
         nll.update(loss, n_tokens)
