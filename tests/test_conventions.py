@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 
@@ -164,3 +164,20 @@ def test_modules_check_the_batch_layout(tiny_data):
         RewardModelModule(spec).training_step(trl_pairs, 0)
     with pytest.raises(BatchContractError, match="SFTModule expects an? 'sft' batch.*SFTDataModule"):
         SFTModule(spec).validation_step({"input_ids": torch.ones(2, 4, dtype=torch.long)}, 0)
+
+
+def test_wandb_offline_gets_the_sample_table(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lit_rlhf.modules.samples import log_text_table
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="lit_rlhf_test")
+    module = LightningModule()  # log_text_table only reads the module's trainer
+    module.trainer = Trainer(logger=logger, default_root_dir=tmp_path, enable_progress_bar=False)
+    log_text_table(module, "val/samples", ["prompt", "completion"], [["review 1:", " the food was good."]], step=3)
+    logger.experiment.finish()
+    (table,) = Path(logger.experiment.dir).parent.glob("files/media/table/val/samples_*.table.json")
+    content = json.loads(table.read_text())
+    assert content["columns"] == ["prompt", "completion"] and content["data"] == [["review 1:", " the food was good."]]
