@@ -4,7 +4,8 @@
 
 Writes ``tokenizer/`` (byte-level BPE trained here), ``sft.jsonl`` (prompt/completion),
 ``prefs.jsonl`` (prompt/chosen/rejected: the chosen review is positive, the rejected one negative, a
-separable toy preference) and ``prompts.jsonl``. Deterministic for a seed; takes seconds.
+separable toy preference) and ``prompts.jsonl``, each with a held-out ``*_test.jsonl`` (a quarter as many
+rows, drawn from another seed) for ``lit-rlhf test``. Deterministic for a seed; takes seconds.
 """
 
 from __future__ import annotations
@@ -55,7 +56,16 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "sft.jsonl", sft)
     write_jsonl(out / "prefs.jsonl", prefs)
     write_jsonl(out / "prompts.jsonl", [{"prompt": p} for p in prompts])
-    print(f"wrote {out}/tokenizer, sft.jsonl, prefs.jsonl, prompts.jsonl ({args.rows} rows each)")
+    write_test_files(out, max(1, args.rows // 4), random.Random(args.seed + 1))
+    print(f"wrote {out}/tokenizer, sft.jsonl, prefs.jsonl, prompts.jsonl ({args.rows} rows each) and *_test.jsonl")
+
+
+def write_test_files(out: Path, rows: int, rng: random.Random) -> None:
+    """Held-out rows of the same toy tasks (prompts numbered past the training ones)."""
+    prompts = [f"review {50 + i % 50}:" for i in range(rows)]
+    write_jsonl(out / "sft_test.jsonl", [{"prompt": p, "completion": " " + review(rng, rng.choice([POSITIVE, NEGATIVE]))} for p in prompts])
+    write_jsonl(out / "prefs_test.jsonl", [{"prompt": p, "chosen": " " + review(rng, POSITIVE), "rejected": " " + review(rng, NEGATIVE)} for p in prompts])
+    write_jsonl(out / "prompts_test.jsonl", [{"prompt": p} for p in prompts])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ in ``stats``. The training loader uses :class:`ResumableSampler`; its position i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -72,6 +73,15 @@ def encode_batch(
     return out
 
 
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or when None the global seed of ``seed_everything`` (its ``PL_GLOBAL_SEED``; 0 if unset).
+
+    An exact resume needs the same global seed: LightningCLI writes the seed it drew into the run's
+    ``config.yaml`` (``seed_everything: <int>``), so re-running that config resumes identically.
+    """
+    return seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 def _not_over_length(flags: list[bool]) -> list[bool]:
     return [not f for f in flags]
 
@@ -107,6 +117,7 @@ class RLHFDataModule(LightningDataModule):
         self.collator = self.collator_class(self.tokenizer.pad_token_id)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
         self.train_sampler: ResumableSampler | None = None
         # per split: rows (before the length policy), truncated, dropped
         self.stats: dict[str, dict[str, int]] = {}
@@ -123,7 +134,9 @@ class RLHFDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:
+        if stage in (None, "test"):
+            self._setup_test()
+        if stage == "test" or self.train_dataset is not None:
             return
         hp = self.hparams
         train = self._encode(hp.train_path, hp.split)
@@ -131,9 +144,16 @@ class RLHFDataModule(LightningDataModule):
         if hp.val_path is not None:
             val = self._encode(hp.val_path, hp.val_split or hp.split)
         elif hp.val_fraction > 0:
-            train, val = carve_validation(train, hp.val_fraction, hp.seed, hp.train_path)
+            train, val = carve_validation(train, hp.val_fraction, resolve_seed(hp.seed), hp.train_path)
         self.train_dataset = self._apply_length_policy(train, "train", hp.train_path)
         self.val_dataset = None if val is None else self._apply_length_policy(val, "val", val_source)
+
+    def _setup_test(self) -> None:
+        """The test split (``lit-rlhf test`` / ``trainer.test``): ``test_path``, read like ``train_path``."""
+        hp = self.hparams
+        if self.test_dataset is None and hp.get("test_path") is not None:
+            test = self._encode(hp.test_path, hp.get("test_split") or hp.split)
+            self.test_dataset = self._apply_length_policy(test, "test", hp.test_path)
 
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
@@ -178,7 +198,9 @@ class RLHFDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before train_dataloader()")
-        self.train_sampler = ResumableSampler(self.train_dataset, shuffle=True, seed=self.hparams.seed)
+        self.train_sampler = ResumableSampler(
+            self.train_dataset, shuffle=True, seed=resolve_seed(self.hparams.seed)
+        )
         self.train_sampler.set_epoch(self._resume["epoch"])
         self.train_sampler.set_consumed(self._resume["consumed"])
         if self._drop_last() and len(self.train_sampler) < self.hparams.batch_size:
@@ -196,6 +218,16 @@ class RLHFDataModule(LightningDataModule):
             return []  # Lightning skips validation on an empty list
         hp = self.hparams
         return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        if self.test_dataset is None:
+            raise ValueError(
+                f"{type(self).__name__}: testing needs held-out rows: set `test_path` (a source like"
+                " `train_path`, e.g. --data.init_args.test_path=data/tiny/prefs_test.jsonl)"
+            )
+        hp = self.hparams
+        return self._loader(self.test_dataset, hp.val_batch_size or hp.batch_size, None, False)
 
     def _drop_last(self) -> bool:
         return bool(self.hparams.get("drop_last", False))

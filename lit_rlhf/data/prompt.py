@@ -35,9 +35,11 @@ class PromptDataModule(RLHFDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         num_workers: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
         split: str = "train",
         val_split: str | None = None,
+        test_path: str | None = None,
+        test_split: str | None = None,
         drop_last: bool = True,
         cache_dir: str | None = None,
     ) -> None:
@@ -52,10 +54,13 @@ class PromptDataModule(RLHFDataModule):
             batch_size: prompts per training batch (per rank).
             val_batch_size: prompts per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
-            seed: seed of the validation carve-out and of the training order.
+            seed: seed of the validation carve-out and of the training order; None follows the global
+                seed (``seed_everything``).
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
+            test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
+            test_split: split to load from ``test_path``; None means ``split``.
             drop_last: drop the last incomplete training batch, so every rollout has ``batch_size`` prompts.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """

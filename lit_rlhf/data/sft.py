@@ -36,9 +36,11 @@ class SFTDataModule(RLHFDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         num_workers: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
         split: str = "train",
         val_split: str | None = None,
+        test_path: str | None = None,
+        test_split: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         """
@@ -53,10 +55,13 @@ class SFTDataModule(RLHFDataModule):
             batch_size: rows per training batch.
             val_batch_size: rows per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.
-            seed: seed of the validation carve-out and of the training order.
+            seed: seed of the validation carve-out and of the training order; None follows the global
+                seed (``seed_everything``).
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
             val_split: split to load from ``val_path``; None means ``split``.
+            test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
+            test_split: split to load from ``test_path``; None means ``split``.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

@@ -31,7 +31,8 @@ class ModelSpec:
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         lora: peft ``LoraConfig`` fields (e.g. r, lora_alpha, lora_dropout, target_modules); None = full fine-tuning.
         trust_remote_code: allow model/tokenizer code from the hub repository to run.
-        seed: seed of every random initialisation (inline config, new heads, new embedding rows, LoRA).
+        seed: seed of every random initialisation (inline config, new heads, new embedding rows, LoRA);
+            None draws them from the global RNG, so ``seed_everything`` decides.
     """
 
     name_or_path: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -47,3 +48,31 @@ def drop_frozen_weights(checkpoint: dict[str, Any], model: torch.nn.Module, pref
     state = checkpoint["state_dict"]
     for key in [k for k in state if k.startswith(prefix) and k not in keep]:
         del state[key]
+
+
+def plain_hparams(module: LightningModule, **values: Any) -> None:
+    """Store hyperparameters as plain Python values, so ``hparams.yaml`` and checkpoints hold no
+    ``!!python/object`` tags (Lightning's ``load_hparams_from_yaml`` reads them back).
+
+    ``values`` (e.g. ``model=spec``) replace entries of ``module.hparams``; every dataclass value is then
+    stored as its ``dataclasses.asdict`` dict. Both the live and the initial (logged) hparams are updated.
+    Constructors take such dicts back (``ModelSpec.coerce``), so ``load_from_checkpoint`` works.
+    """
+    for store in (module.hparams, getattr(module, "_hparams_initial", None)):
+        if store is None:
+            continue
+        store.update(values)
+        for key, value in list(store.items()):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                store[key] = dataclasses.asdict(value)
+
+
+def internal_base(cls: type) -> type:
+    """Class decorator: mark an internal base class (a module without its own algorithm) as abstract.
+
+    LightningCLI offers every imported, non-abstract ``LightningModule`` subclass as a ``--model``
+    choice (jsonargparse's ``get_all_subclass_paths`` skips abstract ones); this hides the base from
+    that list and from direct instantiation, while its subclasses stay concrete.
+    """
+    cls.__abstractmethods__ = frozenset({"(internal base class: use a subclass)"})
+    return cls

@@ -28,6 +28,7 @@ from lit_rlhf.models import (
     policy_forward,
     reference_logits_context,
 )
+from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models, unwrap
 from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
@@ -41,6 +42,7 @@ ROLLOUT_METRICS = (
 LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+@internal_base
 class OnlineRLModule(OnlineBookkeeping):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 

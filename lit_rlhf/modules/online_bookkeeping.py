@@ -11,11 +11,12 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.models import export_pretrained
-from lit_rlhf.modules.base import drop_frozen_weights
+from lit_rlhf.modules.base import drop_frozen_weights, internal_base
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint
 from lit_rlhf.modules.samples import log_text_table
 
 
+@internal_base
 class OnlineBookkeeping(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's attributes: ``rollout_metrics``, ``update_metrics``,
     ``metric_prefix``, ``num_samples``, ``kl_ctl``, ``buffer``, ``rollouts_done``, ``actor``, ``tokenizer``, ``rewards``)."""

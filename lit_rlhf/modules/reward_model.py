@@ -7,6 +7,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import pairwise_reward_loss
 from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
@@ -58,7 +59,7 @@ class RewardModelModule(SingleModelModule):
     forward; an optional ``margin`` (B,) is subtracted inside the sigmoid (Llama 2, Touvron et al. 2023).
 
     Args:
-        model: the reward model: a causal-LM backbone (e.g. the SFT export) gets a fresh scalar head,
+        model: the reward model (a ModelSpec, a dict of its fields, or a hub id / folder string): a causal-LM backbone (e.g. the SFT export) gets a fresh scalar head,
             a sequence-classification checkpoint keeps its head.
         optimizer: optimiser factory, e.g. ``torch.optim.AdamW`` with ``lr`` in YAML.
         scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
@@ -69,7 +70,7 @@ class RewardModelModule(SingleModelModule):
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: ModelSpec | dict | str,
         optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
@@ -80,13 +81,14 @@ class RewardModelModule(SingleModelModule):
             raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
-        self.train_metrics, self.val_metrics = PairMetrics(), PairMetrics()
+        self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(N, L) token ids and mask -> (N,) float32 scores read at each row's last real token."""
         return sequence_scores(self.model, input_ids, attention_mask)
 
     def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
+        check_batch(batch, "preference", type(self).__name__)
         scores = self(batch["input_ids"], batch["attention_mask"])
         chosen, rejected = scores.chunk(2)
         margin = batch.get("margin") if self.hparams.use_margin else None
@@ -114,6 +116,15 @@ class RewardModelModule(SingleModelModule):
     @override
     def on_validation_epoch_end(self) -> None:
         self._log_pair_metrics("val", self.val_metrics)
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = self._step(batch, self.test_metrics)
+        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0] // 2)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_pair_metrics("test", self.test_metrics)
 
     def _log_pair_metrics(self, stage: str, metrics: PairMetrics) -> None:
         values = metrics.compute()

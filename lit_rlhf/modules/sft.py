@@ -7,6 +7,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import logprobs_from_logits, masked_mean
 from lit_rlhf.models import (
     ModelSpec,
@@ -17,7 +18,7 @@ from lit_rlhf.modules.distributed import (
     generation_context,
 )
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
-from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
+from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
 
 
@@ -25,16 +26,17 @@ class SFTModule(SingleModelModule):
     """Causal-LM fine-tuning on (prompt, response) batches from :class:`~lit_rlhf.data.SFTDataModule`.
 
     Args:
-        model: the policy to fine-tune (hub id / local folder, or an inline config for random init).
+        model: the policy to fine-tune: a ModelSpec, a dict of its fields, or a hub id / folder string.
         optimizer: optimiser factory, e.g. ``torch.optim.AdamW`` with ``lr`` in YAML.
         scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
-        num_samples: validation prompts whose greedy completions are logged as text (0 disables).
+        num_samples: validation/test prompts whose greedy completions are logged as a text table
+            (``val/samples``, ``test/samples``) at the step of that validation's scalars (0 disables).
         sample_max_new_tokens: length limit of those sample completions.
     """
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: ModelSpec | dict | str,
         optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
@@ -48,9 +50,11 @@ class SFTModule(SingleModelModule):
         # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
         self.train_nll, self.val_nll = MeanMetric(), MeanMetric()
         self.train_acc, self.val_acc = MeanMetric(), MeanMetric()
+        self.test_nll, self.test_acc = MeanMetric(), MeanMetric()
         self._sample_prompts: list[torch.Tensor] = []
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_batch(batch, "sft", type(self).__name__)  # a clear message instead of a KeyError
         logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
         # Token t is predicted from position t-1 (shift by one).
         labels = batch["input_ids"][:, 1:]
@@ -76,21 +80,40 @@ class SFTModule(SingleModelModule):
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, acc, n_tokens = self._step(batch)
-        self.val_nll.update(loss, n_tokens)
-        self.val_acc.update(acc, n_tokens)
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        self.log("val/token_accuracy", self.val_acc, on_step=False, on_epoch=True)
-        if batch_idx == 0 and self.hparams.num_samples:
-            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+        self._eval_step("val", batch, batch_idx)
 
     @override
     def on_validation_epoch_end(self) -> None:
-        self.log("val/perplexity", torch.exp(self.val_nll.compute()))
-        self.val_nll.reset()
+        self._eval_epoch_end("val")
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step("test", batch, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def _eval_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, acc, n_tokens = self._step(batch)
+        nll, token_acc = getattr(self, f"{stage}_nll"), getattr(self, f"{stage}_acc")
+        nll.update(loss, n_tokens)
+        token_acc.update(acc, n_tokens)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log(f"{stage}/token_accuracy", token_acc, on_step=False, on_epoch=True)
+        if batch_idx == 0 and self.hparams.num_samples:
+            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        nll = getattr(self, f"{stage}_nll")
+        self.log(f"{stage}/perplexity", torch.exp(nll.compute()))
+        nll.reset()
         if self._sample_prompts and not self.trainer.sanity_checking:
             texts = self.generate_text(self._sample_prompts, self.hparams.sample_max_new_tokens)
-            log_text_table(self, "val/samples", ["prompt", "completion"], texts)
+            # the step of this validation's scalars (global_step is one ahead of it mid-epoch)
+            step = logger_step(self.trainer)
+            log_text_table(self, f"{stage}/samples", ["prompt", "completion"], texts, step=step)
+        self._sample_prompts = []
 
     @torch.no_grad()
     def generate_text(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[tuple[str, str]]:

@@ -3,6 +3,7 @@ Hugging Face model, ``self.model``: building it, sharding it, its optimiser, lea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,23 +13,35 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
-from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
+from lit_rlhf.modules.base import (
+    configure_optimizer_and_scheduler,
+    drop_frozen_weights,
+    internal_base,
+    plain_hparams,
+)
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, shard_models
 
 
+@internal_base
 class SingleModelModule(LightningModule):
-    """Base of :class:`SFTModule` and :class:`RewardModelModule` (subclasses document their arguments)."""
+    """Base of :class:`SFTModule` and :class:`RewardModelModule` (subclasses document their arguments).
+
+    Not a choice of the CLI's ``--model`` (see :mod:`lit_rlhf.cli`): it has no training step of its own.
+    """
 
     def _init_model(
         self,
-        spec: ModelSpec,
+        spec: ModelSpec | dict[str, Any] | str,
         build: Callable[[ModelSpec, Any], torch.nn.Module],
         optimizer: OptimizerCallable,
         scheduler: LRSchedulerCallable | None,
     ) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.spec = spec  # (under LightningCLI, self.hparams holds the raw config dicts)
+        # A ModelSpec, a dict of its fields or a path string; checked here, before any loading.
+        spec = ModelSpec.coerce(spec, "model")
+        self.spec = spec
+        plain_hparams(self, model=dataclasses.asdict(spec))  # hparams.yaml readable by Lightning
         self.tokenizer = load_tokenizer(spec.tokenizer or spec.name_or_path)
         self.model = build(spec, self.tokenizer)
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
