@@ -1,16 +1,20 @@
 """``SingleModelModule``: what the SFT and reward-model modules share as modules that train one
-Hugging Face model, ``self.model``: building it, sharding it, its optimiser, lean checkpoints, export."""
+Hugging Face model, ``self.model``: building it, sharding it, its optimiser, skipping non-finite steps,
+lean checkpoints, export."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
 from lit_rlhf.modules.base import configure_optimizer_and_scheduler, drop_frozen_weights
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, shard_models
@@ -33,6 +37,7 @@ class SingleModelModule(LightningModule):
         self.model = build(spec, self.tokenizer)
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
+        self.step_guard = StepGuard()
 
     @override
     def configure_model(self) -> None:
@@ -46,9 +51,32 @@ class SingleModelModule(LightningModule):
         )
 
     @override
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.step_guard.observe_loss(loss)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step whose loss or gradient is not finite (on any rank) is skipped: its gradients are
+        dropped, so the weights and the optimiser's moments stay as they were; ``train/skipped_steps``
+        counts such steps."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
+        if not self.step_guard.allow_step(params, reduce):
+            rank_zero_warn(
+                f"step {self.global_step}: non-finite loss or gradient; optimiser step skipped"
+                f" ({self.step_guard.skipped} so far)"
+            )
+        self.log("train/skipped_steps", float(self.step_guard.skipped), on_step=True, on_epoch=False)
+
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["step_guard"] = self.step_guard.state_dict()
         if self.spec.lora is not None and not is_sharded_checkpoint(self):
             drop_frozen_weights(checkpoint, self.model, "model.")
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.step_guard.load_state_dict(checkpoint.get("step_guard", {}))
 
     def export_pretrained(self, folder: str) -> None:
         """Write the model (LoRA merged) and tokenizer with ``save_pretrained`` to ``folder``."""
