@@ -217,10 +217,14 @@ class RLHFDataModule(LightningDataModule):
         """Training-sampler position at checkpoint time: epoch and samples consumed by all ranks together."""
         if self.trainer is None or self.train_sampler is None:
             return {}
-        fit_loop = self.trainer.fit_loop
-        batches = fit_loop.epoch_loop.batch_progress.current.processed
+        epochs = self.trainer.fit_loop.epoch_progress.current
+        if epochs.processed == epochs.started:
+            # between epochs (e.g. the checkpoint saved in ``on_train_epoch_end``, after Lightning counted
+            # the epoch as processed): the next epoch starts from its beginning
+            return {"epoch": epochs.processed, "consumed": 0}
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         consumed = batches * self.hparams.batch_size * self.train_sampler.num_replicas
-        return {"epoch": fit_loop.epoch_progress.current.processed, "consumed": consumed}
+        return {"epoch": epochs.processed, "consumed": consumed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
