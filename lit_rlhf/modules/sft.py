@@ -48,6 +48,7 @@ class SFTModule(SingleModelModule):
         # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
         self.train_nll, self.val_nll = MeanMetric(), MeanMetric()
         self.train_acc, self.val_acc = MeanMetric(), MeanMetric()
+        self.persist_train_metrics(self.train_nll, self.train_acc)
         self._sample_prompts: list[torch.Tensor] = []
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

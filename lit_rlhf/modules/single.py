@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lit_rlhf.guards import StepGuard
@@ -38,6 +39,15 @@ class SingleModelModule(LightningModule):
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
         self.step_guard = StepGuard()
+
+    def persist_train_metrics(self, *metrics: torch.nn.Module) -> None:
+        """Keep the running state of epoch-level training metrics in checkpoints, so that an epoch resumed
+        mid-way reports the same value as an uninterrupted one (single process; under DDP each rank resumes
+        with rank 0's partial state)."""
+        for metric in metrics:
+            for m in metric.modules():
+                if isinstance(m, Metric):
+                    m.persistent(True)
 
     @override
     def configure_model(self) -> None:
@@ -77,6 +87,12 @@ class SingleModelModule(LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.step_guard.load_state_dict(checkpoint.get("step_guard", {}))
+        # checkpoints written before the metric states were kept: start those metrics empty
+        state = checkpoint["state_dict"]
+        for name, m in self.named_modules():
+            if isinstance(m, Metric):
+                for key, value in m.state_dict(prefix=f"{name}.").items():
+                    state.setdefault(key, value)
 
     def export_pretrained(self, folder: str) -> None:
         """Write the model (LoRA merged) and tokenizer with ``save_pretrained`` to ``folder``."""
