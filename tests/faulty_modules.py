@@ -20,12 +20,14 @@ class NaNAtEndRewardModel(RewardModelModule):
 
 
 class SigtermAt(Callback):
-    """Sends this process SIGTERM in the middle of training step ``step`` (before its backward), as a
-    scheduler would; Lightning finishes that step, then stops."""
+    """Sends this process SIGTERM as training batch ``batch`` (1-based, counted in this fit) begins, as a
+    scheduler would at any moment; Lightning finishes that step, then stops."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen = 0
 
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        if trainer.global_step == self.step:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self.seen += 1
+        if self.seen == self.batch:
             os.kill(os.getpid(), signal.SIGTERM)

@@ -64,8 +64,8 @@ def uninterrupted(tiny_data_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_143_and_resume_reproduces_the_run(uninterrupted, tiny_data_dir, tmp_path):
-    # 96 rows, val 20% -> 77 train rows -> 5 steps/epoch, 15 steps; SIGTERM arrives inside step 7
-    proc = rm_fit(tiny_data_dir, tmp_path, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.step=7")
+    # 96 rows, val 20% -> 77 train rows -> 5 steps/epoch, 15 steps; SIGTERM arrives as step 8 begins
+    proc = rm_fit(tiny_data_dir, tmp_path, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=8")
     assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
     ckpt = tmp_path / "runs/rm_tiny/checkpoints/last-sigterm.ckpt"
     assert f"Resume with --ckpt_path {ckpt}" in proc.stderr + proc.stdout
@@ -156,3 +156,35 @@ def test_command_line_model_option_wins_over_the_checkpoint_at_resume(uninterrup
     # without the option, the checkpoint's value is used (over the config file's)
     cli = run_cli(["fit", *base])
     assert cli.model.hparams.center_rewards_coef == 0.0
+
+
+def ppo_fit(tokenizer_dir: str, prompt_file: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    actor = {"config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}, "tokenizer": tokenizer_dir}
+    cmd = [
+        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(ROOT / "configs/ppo_tiny.yaml"),
+        "--model.init_args.actor=null", f"--model.init_args.actor={json.dumps(actor)}",
+        "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
+        "--model.init_args.max_rollouts=4", "--model.init_args.generation.max_new_tokens=6",
+        f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        "--data.init_args.batch_size=8", "--trainer.enable_progress_bar=false", *extra,
+    ]  # fmt: skip
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_ppo_sigterm_saves_the_last_finished_rollout_and_resume_reproduces_the_run(tokenizer_dir, prompt_file, tmp_path):
+    full = ppo_fit(tokenizer_dir, prompt_file, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = tmp_path / "part"
+    proc = ppo_fit(tokenizer_dir, prompt_file, part, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=2")
+    assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
+    saved = torch.load(part / "runs/ppo_tiny/checkpoints/last-sigterm.ckpt", weights_only=False)
+    assert saved["ppo_state"]["rollouts_done"] == 2, "rollout 2 (in progress at SIGTERM) is finished and saved"
+    resumed = ppo_fit(tokenizer_dir, prompt_file, part, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = scalars(tmp_path / "full/runs/ppo_tiny"), scalars(part / "runs/ppo_tiny")
+    for tag in ("rollout/score", "rollout/kl_ref", "ppo/policy_loss", "ppo/value_loss", "ppo/kl_coef"):
+        assert b[tag].keys() == a[tag].keys() and len(a[tag]) == 4, tag
+        for step, value in a[tag].items():
+            assert b[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (tag, step)
