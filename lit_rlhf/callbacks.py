@@ -43,6 +43,11 @@ class HFExport(Callback):
         self.overwrite = overwrite
         self.run_id = uuid.uuid4().hex
 
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath)  # several exports may run side by side
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
