@@ -90,3 +90,16 @@ def test_end_of_run_resume_with_a_larger_limit_continues(uninterrupted, tiny_dat
     trainer, resumed = fit(kind, tiny_data_dir, tmp_path / "more", 3, ckpt_path=end)
     assert trainer.global_step == 3 * STEPS_PER_EPOCH
     assert_same_weights(full, resumed)
+
+
+def test_checkpoint_without_metric_states_still_resumes(uninterrupted, tiny_data_dir, tmp_path):
+    # checkpoints written before the epoch-metric states were kept: those metrics start empty
+    kind, root, _ = uninterrupted
+    state = torch.load(root / "ckpt/steps/epoch=0-step=4.ckpt", weights_only=False)
+    metric_keys = [k for k in state["state_dict"] if k.startswith(("train_metrics.", "train_nll.", "train_acc."))]
+    assert metric_keys
+    for key in metric_keys:
+        del state["state_dict"][key]
+    torch.save(state, tmp_path / "old.ckpt")
+    trainer, _ = fit(kind, tiny_data_dir, tmp_path, 3, ckpt_path=tmp_path / "old.ckpt")
+    assert trainer.global_step == 3 * STEPS_PER_EPOCH
