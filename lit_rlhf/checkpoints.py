@@ -7,6 +7,8 @@ import zipfile
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from typing_extensions import override
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -19,15 +21,14 @@ class CheckpointFileError(ValueError):
         super().__init__(f"checkpoint {path}: {problem}")
 
 
-def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any] | None:
-    """Load a Lightning checkpoint file (weights only, on CPU) or raise :class:`CheckpointFileError`.
+def check_checkpoint_file(path: str | os.PathLike) -> None:
+    """Cheap checks of a checkpoint file without loading it: exists, not empty, a complete zip archive.
 
-    A folder (a sharded FSDP checkpoint) is left to the strategy: returns None. Missing, empty, truncated,
-    random-bytes and non-Lightning files are refused with what is wrong with them.
+    Raises :class:`CheckpointFileError`; a folder (a sharded FSDP checkpoint) is left to the strategy.
     """
     path = str(path)
     if os.path.isdir(path):
-        return None
+        return
     if not os.path.exists(path):
         raise CheckpointFileError(path, "no such file")
     if os.path.getsize(path) == 0:
@@ -40,12 +41,51 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any] | None:
         raise CheckpointFileError(
             path, f"not a PyTorch checkpoint: torch.save writes zip archives, this file starts with {head!r}"
         )
+
+
+def _not_lightning(path: str, checkpoint: Any) -> CheckpointFileError | None:
+    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
+        return None
+    found = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+    return CheckpointFileError(path, f"a PyTorch file but not a Lightning checkpoint (no 'state_dict'; found {found})")
+
+
+def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any] | None:
+    """Load a Lightning checkpoint file (weights only, on CPU) or raise :class:`CheckpointFileError`.
+
+    A folder (a sharded FSDP checkpoint) is left to the strategy: returns None. Missing, empty, truncated,
+    random-bytes and non-Lightning files are refused with what is wrong with them.
+    """
+    path = str(path)
+    if os.path.isdir(path):
+        return None
+    check_checkpoint_file(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a damaged archive member, or objects a weights-only load refuses
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointFileError(path, f"cannot be loaded ({type(err).__name__}: {first})") from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        found = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise CheckpointFileError(path, f"a PyTorch file but not a Lightning checkpoint (no 'state_dict'; found {found})")
+    problem = _not_lightning(path, checkpoint)
+    if problem is not None:
+        raise problem
     return checkpoint
+
+
+class CheckedCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose ``load_checkpoint`` names the file and what is wrong with it, for
+    ``Trainer(plugins=[CheckedCheckpointIO()]).fit(..., ckpt_path=...)`` outside the CLI (single-file
+    checkpoints; strategies that load sharded folders themselves bypass it)."""
+
+    @override
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+            check_checkpoint_file(path)
+        try:
+            checkpoint = super().load_checkpoint(path, *args, **kwargs)
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise CheckpointFileError(str(path), f"cannot be loaded ({type(err).__name__}: {first})") from err
+        problem = _not_lightning(str(path), checkpoint)
+        if problem is not None:
+            raise problem
+        return checkpoint

@@ -188,3 +188,30 @@ def test_ppo_sigterm_saves_the_last_finished_rollout_and_resume_reproduces_the_r
         assert b[tag].keys() == a[tag].keys() and len(a[tag]) == 4, tag
         for step, value in a[tag].items():
             assert b[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (tag, step)
+
+
+@pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (b"garbage!", "not a PyTorch checkpoint")])
+def test_checked_checkpoint_io_names_the_file_for_plain_trainer_fit(content, problem, tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_rlhf.checkpoints import CheckedCheckpointIO, CheckpointFileError
+
+    path = tmp_path / "bad.ckpt"
+    path.write_bytes(content)
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[CheckedCheckpointIO()],
+    )  # fmt: skip
+    with pytest.raises(CheckpointFileError, match=f"checkpoint {path}: {problem}"):
+        trainer.fit(BoringModel(), ckpt_path=path)
+    # a good checkpoint still loads through it
+    good = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    good.fit(BoringModel())
+    good.save_checkpoint(tmp_path / "good.ckpt")
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[CheckedCheckpointIO()],
+    )  # fmt: skip
+    trainer.fit(BoringModel(), ckpt_path=tmp_path / "good.ckpt")
+    assert trainer.global_step == 2
