@@ -7,6 +7,12 @@
 Subclass mode: ``model`` and ``data`` are ``class_path`` + ``init_args``, so one entry point runs
 :class:`SFTModule`, :class:`RewardModelModule`, :class:`PPOModule` (or a user's own subclasses).
 TensorBoard is the default logger, under ``runs/``.
+
+Reliability (README, "Reliability"): every fit gets a :class:`~lit_rlhf.callbacks.SigtermCheckpoint`
+(SIGTERM saves a resumable checkpoint and exits 143); ``--ckpt_path`` is checked first (a damaged file is
+named with what is wrong with it, ``last`` with nothing to resume from is an error); on resume the
+checkpoint's model hyper-parameters replace the config file's (LightningCLI's rule) but ``--model...``
+options given on the command line are applied again on top of them, so they win.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ import warnings
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+from lit_rlhf.callbacks import SigtermCheckpoint
+from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -67,6 +77,24 @@ def quiet_lightning(module: LightningModule | None = None) -> None:
         warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
 
 
+# ``ckpt_path`` values that the Trainer resolves itself (not file names)
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
+
+
+def model_flags(args: list[str]) -> list[str]:
+    """The ``--model...`` options of a command line, each with its value, in their order."""
+    flags, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--model" or arg.startswith(("--model.", "--model=")):
+            step = 1 if "=" in arg else 2
+            flags += args[i : i + step]
+            i += step
+        else:
+            i += 1
+    return flags
+
+
 class LitRLHFCLI(LightningCLI):
     """LightningCLI with lit_rlhf's defaults (TensorBoard logger, progress bar, overwritable config).
 
@@ -85,7 +113,57 @@ class LitRLHFCLI(LightningCLI):
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         kwargs["callbacks"] = given + default_callbacks(self.model, config)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "fit" and not any(isinstance(c, SigtermCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(SigtermCheckpoint())
+        return trainer
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path``, load the checkpoint's model hyper-parameters, re-apply ``--model`` options.
+
+        Replaces LightningCLI's version (which loads the file unchecked and lets the checkpoint's values
+        override the command line) at the same point of parsing.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if not ckpt_path or str(ckpt_path) in SPECIAL_CKPT_PATHS:
+            return
+        try:
+            checkpoint = load_checkpoint_file(ckpt_path)
+        except CheckpointFileError as err:
+            self.parser.error(f"--ckpt_path: {err}")
+        hparams = dict((checkpoint or {}).get("hyper_parameters", {}))
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        flags = model_flags(self._command_line)
+        if flags:
+            self.config = self.parser.parse_args([subcommand, *flags], namespace=self.config)
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` with no last checkpoint is an error (Lightning would warn and start afresh)."""
+        if str(self.config.fit.get("ckpt_path")) != "last":
+            return
+        folders = {c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)}
+        found = [
+            f for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
+            for f in c._find_last_checkpoints(self.trainer)
+        ]  # fmt: skip
+        if not found:
+            where = ", ".join(str(f) for f in folders if f) or "no ModelCheckpoint folder with a fixed dirpath"
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last*.ckpt to resume from ({where}). Give ModelCheckpoint a fixed"
+                " dirpath and save_last: true (as the shipped configs do), or pass a checkpoint file"
+            )
 
 
 def run_cli(args: list[str] | None = None) -> LitRLHFCLI:

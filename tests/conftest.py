@@ -84,3 +84,16 @@ def prompt_file(tmp_path) -> str:
         for i, text in enumerate(make_corpus(40, seed=5)):
             f.write(json.dumps({"prompt": " ".join(text.split()[:3]) + f" {i % 7}"}) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory):
+    """scripts/make_tiny_data.py's tokenizer, SFT rows, preference pairs and prompts (160 rows)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("tiny_data_session")
+    script = Path(__file__).resolve().parents[1] / "scripts/make_tiny_data.py"
+    subprocess.run([sys.executable, str(script), "--out", str(out), "--rows", "160"], check=True)
+    return out

@@ -23,7 +23,7 @@ from typing_extensions import override
 from lit_rlhf.data.formats import DataFormatError, RowRef, Text
 from lit_rlhf.data.render import clip_lengths, render, tokenize_rendered
 from lit_rlhf.data.sampler import ResumableSampler
-from lit_rlhf.data.sources import carve_validation, load_source
+from lit_rlhf.data.sources import FILE_ROW_COLUMN, carve_validation, check_text_file, load_source
 from lit_rlhf.models.tokenizer import load_tokenizer
 
 LengthPolicy = Literal["truncate", "drop"]
@@ -48,6 +48,7 @@ def encode_batch(
     Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns, and
     ``over_length`` (whether the limits cut the row; the length policy reads it).
     """
+    indices = batch.pop(FILE_ROW_COLUMN, indices)  # a slice of a local file: the rows' numbers in the file
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     parsed = [parse(row, fmt, RowRef(source, i)) for row, i in zip(rows, indices)]
     rendered = []
@@ -157,23 +158,29 @@ class RLHFDataModule(LightningDataModule):
 
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
+        columns = [c for c in dataset.column_names if c != FILE_ROW_COLUMN]
         fn_kwargs = dict(
             parse=type(self).parse,
-            fmt=self.detect_format(dataset.column_names, path),
+            fmt=self.detect_format(columns, path),
             source=path,
             slots=self.slots,
             tokenizer=self.tokenizer,
             max_prompt_length=self.hparams.max_prompt_length,
             max_length=self.hparams.get("max_length"),
         )
-        return dataset.map(
-            encode_batch,
-            batched=True,
-            with_indices=True,
-            remove_columns=dataset.column_names,
-            fn_kwargs=fn_kwargs,
-            desc=f"Validating and tokenizing {path}",
-        )
+        try:
+            return dataset.map(
+                encode_batch,
+                batched=True,
+                with_indices=True,
+                remove_columns=dataset.column_names,
+                fn_kwargs=fn_kwargs,
+                desc=f"Validating and tokenizing {path}",
+            )
+        except UnicodeDecodeError as err:  # pyarrow keeps bytes that are not UTF-8; Python refuses them
+            if os.path.isfile(path):
+                check_text_file(path)  # names the line
+            raise DataFormatError(path, f"text that is not valid UTF-8 ({err})") from err
 
     def _apply_length_policy(self, dataset: Dataset, split: str, source: str) -> Dataset:
         hp = self.hparams
@@ -249,10 +256,14 @@ class RLHFDataModule(LightningDataModule):
         """Training-sampler position at checkpoint time: epoch and samples consumed by all ranks together."""
         if self.trainer is None or self.train_sampler is None:
             return {}
-        fit_loop = self.trainer.fit_loop
-        batches = fit_loop.epoch_loop.batch_progress.current.processed
+        epochs = self.trainer.fit_loop.epoch_progress.current
+        if epochs.processed == epochs.started:
+            # between epochs (e.g. the checkpoint saved in ``on_train_epoch_end``, after Lightning counted
+            # the epoch as processed): the next epoch starts from its beginning
+            return {"epoch": epochs.processed, "consumed": 0}
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         consumed = batches * self.hparams.batch_size * self.train_sampler.num_replicas
-        return {"epoch": fit_loop.epoch_progress.current.processed, "consumed": consumed}
+        return {"epoch": epochs.processed, "consumed": consumed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, int]) -> None:

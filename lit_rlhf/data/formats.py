@@ -217,6 +217,8 @@ def parse_preference_row(row: dict, fmt: str, ref: RowRef) -> PreferenceRow:
         chosen, rejected = (parse_response(row.get(f), ref, f) for f in ("chosen", "rejected"))
     else:
         prompt, chosen, rejected = _parse_implicit(row, ref)
+    if chosen == rejected:  # no preference to learn: the pair's loss gradient is zero whatever the model
+        raise ref.error("rejected", "identical to chosen")
     margin = parse_margin(row["margin"], ref) if "margin" in row else None
     return PreferenceRow(prompt, chosen, rejected, margin)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, ReadInstruction, load_dataset, load_from_disk
 
 from lit_rlhf.data.formats import DataFormatError
 
@@ -12,6 +13,55 @@ from lit_rlhf.data.formats import DataFormatError
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # Files that ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write into their folder.
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+# Column that load_source adds to a slice of a local file: each row's 0-based row number in the file.
+FILE_ROW_COLUMN = "__file_row__"
+
+
+def check_text_file(path: str) -> None:
+    """Find the first undecodable, malformed or missing content of a local json/jsonl/csv file.
+
+    Raises :class:`DataFormatError` naming the line (and, for JSON lines, the row: the 0-based count of
+    non-blank lines before it, which is the row's index in the dataset) for a byte that is not UTF-8, a
+    JSON line that does not parse (e.g. truncated), or a file without rows. Returns when it finds none.
+    Called after ``datasets`` failed, to say where, so good data costs nothing extra.
+    """
+    json_lines = os.path.splitext(path)[1].lower() == ".jsonl"
+    rows = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            row = rows if json_lines else None
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                bad = raw[err.start : err.start + 1]
+                raise DataFormatError(
+                    path, f"line {line_no}: not valid UTF-8 (byte {bad!r} at byte {err.start + 1} of the line)", row
+                ) from err
+            if not text.strip():
+                continue
+            if json_lines:
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(
+                        path, f"line {line_no}: malformed JSON ({err.msg} at column {err.colno}); truncated?", row
+                    ) from err
+            rows += 1
+    if rows == 0:
+        raise DataFormatError(path, "the file is empty (no rows)")
+
+
+def _select_slice(dataset: Dataset, split: str, path: str) -> Dataset:
+    """Apply a ``datasets`` slice such as ``train[10:]`` to a local file's one split, recording each
+    row's number in the file (``FILE_ROW_COLUMN``) so that errors point at the file, not the slice."""
+    try:
+        parts = ReadInstruction.from_spec(split).to_absolute({"train": len(dataset)})
+    except (ValueError, AssertionError) as err:
+        raise DataFormatError(path, f"cannot read the data: bad split {split!r} for a local file ('train' or a slice such as 'train[:100]'): {err}") from err
+    if any(part.splitname != "train" for part in parts):
+        raise DataFormatError(path, f"cannot read the data: a local file has one split, 'train'; got {split!r}")
+    rows = [r for part in parts for r in range(part.from_, part.to)]
+    return dataset.add_column(FILE_ROW_COLUMN, list(range(len(dataset)))).select(rows)
 
 
 def load_source(path: str, split: str = "train", cache_dir: str | None = None) -> Dataset:
@@ -36,7 +86,9 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
         elif ext in FILE_BUILDERS:
             if not os.path.isfile(path):
                 raise DataFormatError(path, "file not found")
-            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split=split, cache_dir=cache_dir)
+            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", cache_dir=cache_dir)
+            if split != "train":
+                dataset = _select_slice(dataset, split, path)
         elif os.path.isfile(path):
             raise DataFormatError(path, f"unknown file type {ext!r}; expected one of {sorted(FILE_BUILDERS)}")
         else:
@@ -44,6 +96,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
     except DataFormatError:
         raise
     except Exception as err:  # datasets/pyarrow raise many types; all mean "this source cannot be read"
+        if ext in FILE_BUILDERS and ext != ".parquet" and os.path.isfile(path):
+            check_text_file(path)  # names the line when it can
         cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ is not None else ""
         raise DataFormatError(path, f"cannot read the data: {type(err).__name__}: {err}{cause}") from err
     if not isinstance(dataset, Dataset):

@@ -89,6 +89,9 @@ def stage_config(stage: str, out: Path, small: bool) -> Path:
     """Write ``OUT/configs/<stage>.yaml``: the demo config with its paths under ``out`` (tiny if small)."""
     config = yaml.safe_load((CONFIG_DIR / f"{stage}.yaml").read_text())
     config = _move_paths(config, out)
+    for callback in config["trainer"].get("callbacks", []):
+        if callback["class_path"].endswith("HFExport"):  # a rerun of the pipeline replaces its own exports
+            callback["init_args"]["overwrite"] = True
     if small:
         config = _merge(config, SMALL_OVERRIDES[stage])
     path = out / "configs" / f"{stage}.yaml"

@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lit_rlhf.guards import check_finite_weights
 from lit_rlhf.models.spec import ModelSpec
 
 
@@ -149,11 +150,13 @@ def export_pretrained(model: nn.Module, tokenizer: PreTrainedTokenizerBase, fold
 
     A peft model is merged first (on a copy, so ``model`` keeps training with its adapters): the folder
     then holds plain weights that ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification``
-    load without peft, with the same outputs. Returns the folder.
+    load without peft, with the same outputs. Returns the folder. Non-finite weights are refused
+    (:class:`~lit_rlhf.guards.NonFiniteError` naming the parameter) before anything is written.
     """
     from peft import PeftModel
 
     folder = Path(folder)
+    check_finite_weights(model, f"export to {folder}")
     if isinstance(model, PeftModel):
         model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(folder)

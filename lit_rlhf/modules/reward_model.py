@@ -82,6 +82,7 @@ class RewardModelModule(SingleModelModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
         self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
+        self.persist_train_metrics(self.train_metrics)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(N, L) token ids and mask -> (N,) float32 scores read at each row's last real token."""

@@ -51,6 +51,7 @@ class SFTModule(SingleModelModule):
         self.train_nll, self.val_nll = MeanMetric(), MeanMetric()
         self.train_acc, self.val_acc = MeanMetric(), MeanMetric()
         self.test_nll, self.test_acc = MeanMetric(), MeanMetric()
+        self.persist_train_metrics(self.train_nll, self.train_acc)
         self._sample_prompts: list[torch.Tensor] = []
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

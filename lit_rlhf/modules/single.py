@@ -1,17 +1,22 @@
 """``SingleModelModule``: what the SFT and reward-model modules share as modules that train one
-Hugging Face model, ``self.model``: building it, sharding it, its optimiser, lean checkpoints, export."""
+Hugging Face model, ``self.model``: building it, sharding it, its optimiser, skipping non-finite steps,
+lean checkpoints, export."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import Metric
 from typing_extensions import override
 
+from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
 from lit_rlhf.modules.base import (
     configure_optimizer_and_scheduler,
@@ -46,6 +51,16 @@ class SingleModelModule(LightningModule):
         self.model = build(spec, self.tokenizer)
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
+        self.step_guard = StepGuard()
+
+    def persist_train_metrics(self, *metrics: torch.nn.Module) -> None:
+        """Keep the running state of epoch-level training metrics in checkpoints, so that an epoch resumed
+        mid-way reports the same value as an uninterrupted one (single process; under DDP each rank resumes
+        with rank 0's partial state)."""
+        for metric in metrics:
+            for m in metric.modules():
+                if isinstance(m, Metric):
+                    m.persistent(True)
 
     @override
     def configure_model(self) -> None:
@@ -59,9 +74,38 @@ class SingleModelModule(LightningModule):
         )
 
     @override
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.step_guard.observe_loss(loss)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step whose loss or gradient is not finite (on any rank) is skipped: its gradients are
+        dropped, so the weights and the optimiser's moments stay as they were; ``train/skipped_steps``
+        counts such steps."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
+        if not self.step_guard.allow_step(params, reduce):
+            rank_zero_warn(
+                f"step {self.global_step}: non-finite loss or gradient; optimiser step skipped"
+                f" ({self.step_guard.skipped} so far)"
+            )
+        self.log("train/skipped_steps", float(self.step_guard.skipped), on_step=True, on_epoch=False)
+
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["step_guard"] = self.step_guard.state_dict()
         if self.spec.lora is not None and not is_sharded_checkpoint(self):
             drop_frozen_weights(checkpoint, self.model, "model.")
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.step_guard.load_state_dict(checkpoint.get("step_guard", {}))
+        # checkpoints written before the metric states were kept: start those metrics empty
+        state = checkpoint["state_dict"]
+        for name, m in self.named_modules():
+            if isinstance(m, Metric):
+                for key, value in m.state_dict(prefix=f"{name}.").items():
+                    state.setdefault(key, value)
 
     def export_pretrained(self, folder: str) -> None:
         """Write the model (LoRA merged) and tokenizer with ``save_pretrained`` to ``folder``."""

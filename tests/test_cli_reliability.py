@@ -1,0 +1,217 @@
+"""``lit-rlhf fit`` as a scheduler and a careless user meet it: SIGTERM, --ckpt_path checks, resume rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_rlhf.callbacks import EXPORT_MARKER, SIGTERM_EXIT_CODE
+from lit_rlhf.cli import model_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1"}
+NO_DROPOUT_GPT2 = json.dumps(
+    {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128,
+     "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+)  # fmt: skip
+
+
+def rm_fit(tiny: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``lit-rlhf fit --config configs/rm_tiny.yaml`` on the tiny data, run in ``cwd`` (its runs/ lands there)."""
+    cmd = [
+        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(ROOT / "configs/rm_tiny.yaml"),
+        f"--data.init_args.tokenizer={tiny}/tokenizer", f"--data.init_args.train_path={tiny}/prefs.jsonl",
+        "--data.init_args.split=train[:96]", f"--model.init_args.model.tokenizer={tiny}/tokenizer",
+        f"--model.init_args.model.config={NO_DROPOUT_GPT2}", "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false", "--trainer.max_epochs=3", *extra,
+    ]  # fmt: skip
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """TensorBoard scalars under ``run_dir``: tag -> {step: value} (later files win)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in sorted(run_dir.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def export_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data_dir, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("rm_full")
+    proc = rm_fit(tiny_data_dir, cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_resume_reproduces_the_run(uninterrupted, tiny_data_dir, tmp_path):
+    # 96 rows, val 20% -> 77 train rows -> 5 steps/epoch, 15 steps; SIGTERM arrives as step 8 begins
+    proc = rm_fit(tiny_data_dir, tmp_path, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=8")
+    assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
+    ckpt = tmp_path / "runs/rm_tiny/checkpoints/last-sigterm.ckpt"
+    assert f"Resume with --ckpt_path {ckpt}" in proc.stderr + proc.stdout
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 8, "the step in progress is finished, then saved"
+    assert not (tmp_path / "runs/rm_tiny/export").exists(), "an interrupted fit exports nothing"
+
+    resumed = rm_fit(tiny_data_dir, tmp_path, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full, parts = scalars(uninterrupted / "runs/rm_tiny"), scalars(tmp_path / "runs/rm_tiny")
+    for tag in ("train/loss", "val/loss", "val/accuracy", "train/accuracy"):
+        assert parts[tag].keys() == full[tag].keys(), tag
+        for step, value in full[tag].items():
+            assert parts[tag][step] == pytest.approx(value, abs=1e-5), (tag, step)
+    a, b = export_weights(uninterrupted / "runs/rm_tiny/export"), export_weights(tmp_path / "runs/rm_tiny/export")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+@pytest.mark.slow
+def test_export_is_not_overwritten_by_another_run_but_by_a_resume_or_overwrite(uninterrupted, tiny_data_dir):
+    # a second, fresh run into the same folders: refused before training, the export kept
+    export = uninterrupted / "runs/rm_tiny/export"
+    before = export_weights(export)
+    proc = rm_fit(tiny_data_dir, uninterrupted, "--trainer.max_epochs=1")
+    assert proc.returncode != 0 and "already holds another run's export" in proc.stderr, proc.stderr[-3000:]
+    assert "overwrite: true" in proc.stderr
+    assert all(torch.equal(before[k], v) for k, v in export_weights(export).items())
+    # the same run resumed with a larger limit may replace its own export
+    run_id = json.loads((export / EXPORT_MARKER).read_text())["run_id"]
+    proc = rm_fit(tiny_data_dir, uninterrupted, "--ckpt_path=last", "--trainer.max_epochs=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((export / EXPORT_MARKER).read_text())["run_id"] == run_id
+    assert any(not torch.equal(before[k], v) for k, v in export_weights(export).items()), "trained further"
+
+
+def test_ckpt_path_last_without_a_checkpoint_is_an_error(tiny_data_dir, tmp_path):
+    proc = rm_fit(tiny_data_dir, tmp_path, "--ckpt_path=last", "--trainer.max_steps=1")
+    assert proc.returncode != 0
+    assert "--ckpt_path last: no last*.ckpt to resume from" in proc.stderr, proc.stderr[-3000:]
+    assert "runs/rm_tiny/checkpoints" in proc.stderr
+    assert not (tmp_path / "runs/rm_tiny/export").exists(), "no fresh run was started"
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"", "the file is empty"),
+        (os.urandom(256), "not a PyTorch checkpoint: torch.save writes zip archives"),
+        ("truncated", "truncated: a zip archive without its end"),
+        ("plain", "a PyTorch file but not a Lightning checkpoint (no 'state_dict'"),
+    ],
+)
+def test_bad_ckpt_path_names_the_file_and_the_problem(content, problem, tiny_data_dir, tmp_path):
+    path = tmp_path / "bad.ckpt"
+    if content == "truncated":
+        torch.save({"state_dict": {"w": torch.ones(4096)}}, path)
+        path.write_bytes(path.read_bytes()[:5000])
+    elif content == "plain":
+        torch.save({"w": torch.ones(3)}, path)
+    else:
+        path.write_bytes(content)
+    proc = rm_fit(tiny_data_dir, tmp_path, f"--ckpt_path={path}")
+    assert proc.returncode != 0
+    assert f"checkpoint {path}: {problem}" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_model_flags_are_taken_with_their_values():
+    args = ["fit", "--config", "x.yaml", "--model.init_args.max_rollouts", "12", "--trainer.max_steps=3",
+            "--model.init_args.seed=4", "--model", "y.yaml", "--modelx", "1"]  # fmt: skip
+    assert model_flags(args) == ["--model.init_args.max_rollouts", "12", "--model.init_args.seed=4", "--model", "y.yaml"]
+
+
+def test_command_line_model_option_wins_over_the_checkpoint_at_resume(uninterrupted, tiny_data_dir, tmp_path, monkeypatch):
+    # the checkpoint says center_rewards_coef=0.0; the command line says 0.5: the command line wins
+    from lit_rlhf.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)  # the config's runs/ folder
+    ckpt = next((uninterrupted / "runs/rm_tiny/checkpoints").glob("epoch=*.ckpt"))
+    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["center_rewards_coef"] == 0.0
+    base = [
+        f"--config={ROOT / 'configs/rm_tiny.yaml'}", f"--data.init_args.tokenizer={tiny_data_dir}/tokenizer",
+        f"--data.init_args.train_path={tiny_data_dir}/prefs.jsonl",
+        f"--model.init_args.model.tokenizer={tiny_data_dir}/tokenizer", f"--ckpt_path={ckpt}",
+        "--trainer.max_epochs=3", "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    cli = run_cli(["fit", *base, "--model.init_args.center_rewards_coef=0.5"])
+    assert cli.model.hparams.center_rewards_coef == 0.5
+    # without the option, the checkpoint's value is used (over the config file's)
+    cli = run_cli(["fit", *base])
+    assert cli.model.hparams.center_rewards_coef == 0.0
+
+
+def ppo_fit(tokenizer_dir: str, prompt_file: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    actor = {"config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}, "tokenizer": tokenizer_dir}
+    cmd = [
+        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(ROOT / "configs/ppo_tiny.yaml"),
+        "--model.init_args.actor=null", f"--model.init_args.actor={json.dumps(actor)}",
+        "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
+        "--model.init_args.max_rollouts=4", "--model.init_args.generation.max_new_tokens=6",
+        f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        "--data.init_args.batch_size=8", "--trainer.enable_progress_bar=false", *extra,
+    ]  # fmt: skip
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_ppo_sigterm_saves_the_last_finished_rollout_and_resume_reproduces_the_run(tokenizer_dir, prompt_file, tmp_path):
+    full = ppo_fit(tokenizer_dir, prompt_file, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = tmp_path / "part"
+    proc = ppo_fit(tokenizer_dir, prompt_file, part, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=2")
+    assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
+    saved = torch.load(part / "runs/ppo_tiny/checkpoints/last-sigterm.ckpt", weights_only=False)
+    assert saved["ppo_state"]["rollouts_done"] == 2, "rollout 2 (in progress at SIGTERM) is finished and saved"
+    resumed = ppo_fit(tokenizer_dir, prompt_file, part, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = scalars(tmp_path / "full/runs/ppo_tiny"), scalars(part / "runs/ppo_tiny")
+    for tag in ("rollout/score", "rollout/kl_ref", "ppo/policy_loss", "ppo/value_loss", "ppo/kl_coef"):
+        assert b[tag].keys() == a[tag].keys() and len(a[tag]) == 4, tag
+        for step, value in a[tag].items():
+            assert b[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (tag, step)
+
+
+@pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (b"garbage!", "not a PyTorch checkpoint")])
+def test_checked_checkpoint_io_names_the_file_for_plain_trainer_fit(content, problem, tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_rlhf.checkpoints import CheckedCheckpointIO, CheckpointFileError
+
+    path = tmp_path / "bad.ckpt"
+    path.write_bytes(content)
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[CheckedCheckpointIO()],
+    )  # fmt: skip
+    with pytest.raises(CheckpointFileError, match=f"checkpoint {path}: {problem}"):
+        trainer.fit(BoringModel(), ckpt_path=path)
+    # a good checkpoint still loads through it
+    good = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    good.fit(BoringModel())
+    good.save_checkpoint(tmp_path / "good.ckpt")
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[CheckedCheckpointIO()],
+    )  # fmt: skip
+    trainer.fit(BoringModel(), ckpt_path=tmp_path / "good.ckpt")
+    assert trainer.global_step == 2

@@ -1,0 +1,97 @@
+"""Data errors name the file, the row (in the file, also under a split slice) and the field."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lit_rlhf.data import DataFormatError, PreferenceDataModule, PromptDataModule
+
+datasets.disable_progress_bars()
+PAIR = {"prompt": "the food was", "chosen": " good", "rejected": " bad"}
+
+
+def lines(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def prefs(tokenizer_dir, path, **kwargs) -> PreferenceDataModule:
+    return PreferenceDataModule(tokenizer_dir, str(path), val_fraction=0.0, batch_size=1, **kwargs)
+
+
+def test_non_utf8_byte_names_file_line_and_row(tokenizer_dir, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(lines([PAIR] * 3) + b'{"prompt": "a", "chosen": "\xff ok", "rejected": "b"}\n' + lines([PAIR]))
+    with pytest.raises(DataFormatError) as err:
+        prefs(tokenizer_dir, path).setup()
+    msg = str(err.value)
+    assert msg.startswith(str(path)) and "row 3 (0-based)" in msg and "line 4: not valid UTF-8" in msg, msg
+
+
+def test_truncated_json_line_names_file_line_and_row(tokenizer_dir, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(lines([PAIR] * 5) + b'{"prompt": "a", "chosen": "b", "rej')
+    with pytest.raises(DataFormatError) as err:
+        prefs(tokenizer_dir, path).setup()
+    msg = str(err.value)
+    assert msg.startswith(str(path)) and "row 5 (0-based)" in msg and "line 6: malformed JSON" in msg, msg
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n"])
+def test_empty_file_says_so(content, tokenizer_dir, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataFormatError, match="the file is empty") as err:
+        prefs(tokenizer_dir, path).setup()
+    assert str(err.value).startswith(str(path)) and "StopIteration" not in str(err.value)
+
+
+@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+def test_bad_row_under_a_slice_is_numbered_in_the_file(file_type, tokenizer_dir, tmp_path):
+    rows = [{"prompt": f"the food {i}"} for i in range(30)]
+    rows[17] = {"prompt": ""}
+    path = tmp_path / f"prompts.{file_type}"
+    if file_type == "jsonl":
+        path.write_bytes(lines(rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataFormatError, match=r"row 17 \(0-based\), field 'prompt': empty"):
+        PromptDataModule(tokenizer_dir, str(path), split="train[10:]", val_fraction=0.0).setup()
+    # rows kept by the slice, in order, without the row-number column
+    rows[17] = {"prompt": "fine"}
+    path.write_bytes(lines(rows)) if file_type == "jsonl" else pq.write_table(pa.Table.from_pylist(rows), path)
+    dm = PromptDataModule(tokenizer_dir, str(path), split="train[:3]+train[-2:]", val_fraction=0.0)
+    dm.setup()
+    decoded = [dm.tokenizer.decode(r["prompt_input_ids"], skip_special_tokens=True) for r in dm.train_dataset]
+    assert decoded == [r["prompt"] for r in rows[:3] + rows[-2:]]
+    assert "__file_row__" not in dm.train_dataset.column_names
+
+
+@pytest.mark.parametrize(
+    "row, fmt",
+    [
+        ({"prompt": "the food was", "chosen": " good", "rejected": " good"}, "explicit"),
+        ({"prompt": "the food was", "chosen": " good", "rejected": " good"}, "auto"),
+        (
+            {
+                "conversations": [{"from": "human", "value": "the food?"}],
+                "chosen": {"from": "gpt", "value": "good"},
+                "rejected": {"from": "gpt", "value": "good"},
+            },
+            "sharegpt",
+        ),
+        ({"chosen": "the food was good", "rejected": "the food was good"}, "implicit"),
+    ],
+)
+def test_chosen_equal_to_rejected_is_refused_in_every_format(row, fmt, tokenizer_dir, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    good = {k: (v.replace("good", "bad") if k == "rejected" and isinstance(v, str) else v) for k, v in row.items()}
+    if fmt == "sharegpt":
+        good["rejected"] = {"from": "gpt", "value": "bad"}
+    path.write_bytes(lines([good, good, row]))
+    with pytest.raises(DataFormatError, match=r"row 2 \(0-based\), field 'rejected': identical to chosen"):
+        prefs(tokenizer_dir, path, format=fmt).setup()
