@@ -14,7 +14,9 @@ from lit_rlhf.functional.kl_controllers import (
 )
 from lit_rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from lit_rlhf.functional.losses import (
+    DPO_LOSS_TYPES,
     clipped_value_loss,
+    dpo_loss,
     kl_penalty_policy_loss,
     pairwise_reward_loss,
     ppo_policy_loss,
@@ -29,6 +31,7 @@ from lit_rlhf.functional.stats import (
 )
 
 __all__ = [
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -36,6 +39,7 @@ __all__ = [
     "PPOPenaltyKLController",
     "clipped_value_loss",
     "compute_gae",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "kl_penalty",
