@@ -13,6 +13,7 @@ from lit_rlhf.models.scoring import (
     causal_lm_logits_and_hidden,
     last_token_index,
     position_ids_from_mask,
+    response_logprobs,
     sequence_scores,
     token_values,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "load_tokenizer",
     "position_ids_from_mask",
     "reference_logits_context",
+    "response_logprobs",
     "sequence_scores",
     "token_values",
     "train_bpe_tokenizer",
