@@ -1,4 +1,4 @@
-"""RM and PPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
+"""RM, PPO and DPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
 Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, PPO
 fit, LoRA PPO fit; FSDP2 also saves sharded after one rollout and resumes); the single-process run of
@@ -28,20 +28,24 @@ def run(tokenizer_dir, tmp_path_factory):
     """strategy -> the worker's results.json (each strategy launched at most once per module)."""
     cache: dict[str, dict] = {}
 
-    def _run(strategy: str) -> dict:
-        if strategy not in cache:
-            out = tmp_path_factory.mktemp(strategy)
+    def _run(strategy: str, runs: str = "all") -> dict:
+        key = (strategy, runs)
+        if runs == "dpo" and (strategy, "all") in cache:
+            return cache[(strategy, "all")]  # the full worker runs the DPO fits too
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{strategy}_{runs}")
             launch = [sys.executable]
             if strategy != "single":
                 launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
             cmd = [*launch, str(WORKER), "--strategy", strategy, "--tokenizer", tokenizer_dir, "--out", str(out)]
+            cmd += ["--runs", runs]
             if strategy == "fsdp2":
                 cmd.append("--resume")
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[strategy] = json.loads((out / "results.json").read_text())
-        return cache[strategy]
+            cache[key] = json.loads((out / "results.json").read_text())
+        return cache[key]
 
     return _run
 
@@ -89,3 +93,17 @@ def test_fsdp2_sharded_resume_equals_uninterrupted(run):
     for key, values in full.items():
         # rollout 1 before the checkpoint, rollouts 2-3 after resuming in a fresh module and trainer
         assert_close_lists(resume["first"][key] + resume["rest"][key], values, f"resume {key}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_dpo_losses_equal_single_process(run, strategy):
+    # 3 optimiser steps on the same global batches of 8 pairs (4 per rank), then validation on all 24;
+    # the precomputed run scores the data sets with each rank's share and all-gathers them.
+    single, dist = run("single", "dpo"), run(strategy, "dpo")
+    for name in ("dpo", "dpo_precomputed"):
+        for key, values in single[name].items():
+            assert len(values) == (1 if key == "val/loss" else 3), (name, key, values)
+            assert_close_lists(dist[name][key], values, f"{strategy} {name} {key}")
+    assert_close_lists(single["dpo_precomputed"]["train/loss"], single["dpo"]["train/loss"], "precomputed vs live")
+    losses = single["dpo"]["train/loss"]
+    assert abs(losses[0] - 0.693147) < 1e-5 and losses[-1] < losses[0], losses
