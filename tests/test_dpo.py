@@ -52,6 +52,18 @@ def _val_batch(tiny_data: Path, **kwargs) -> dict[str, torch.Tensor]:
     return next(iter(data.val_dataloader()))
 
 
+def tb_tensor_tags(log_dir: Path) -> set[str]:
+    """Tags of the non-scalar summaries (text tables) under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in log_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags |= set(acc.Tags()["tensors"])
+    return tags
+
+
 class LossRecorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -86,6 +98,7 @@ def test_dpo_cli_fit_learns_held_out_preferences_logs_and_exports(tiny_data, tmp
     assert scalars["val/rewards/margins"][-1] > 0
     for name in ("train/logps/chosen", "train/logps/rejected", "val/logps/chosen", "val/logps/rejected"):
         assert all(math.isfinite(v) for v in scalars[name]), name
+    assert "val/samples/text_summary" in tb_tensor_tags(run), "greedy completions table"
     losses = scalars["train/loss"]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-5), "policy == reference at the first step"
     assert sum(losses[-5:]) / 5 < 0.9 * math.log(2), "training loss must fall below log 2"
