@@ -5,8 +5,9 @@
     python tests/distributed_worker.py --strategy single --tokenizer TOK_DIR --out OUT_DIR
 
 Runs a reward-model fit, PPO fits (full fine-tuning with a separate critic; LoRA with a shared
-backbone) and, under ``--resume``, PPO saved after one rollout and resumed; ``--runs grpo`` runs a GRPO
-fit (K = 2 sampled responses per prompt) instead. Every run uses the same
+backbone) and, under ``--resume``, PPO saved after one rollout and resumed; ``--runs grpo`` runs a
+GRPO fit (K = 2 sampled responses per prompt) instead, ``--runs dpo`` DPO fits (live and precomputed
+reference). Every run uses the same
 global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
 the first rollout's greedy responses (keyed by prompt) and the wall time per rollout.
 """
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # ppo_rewards, ppo_helpers, conf
 from conftest import llama_config  # noqa: E402
 from ppo_helpers import PROMPTS, adamw  # noqa: E402
 
+from lit_rlhf.data import PreferenceDataModule  # noqa: E402
 from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
-from lit_rlhf.modules import CriticFreeModule, PPOModule, RewardModelModule  # noqa: E402
+from lit_rlhf.modules import CriticFreeModule, DPOModule, PPOModule, RewardModelModule  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -271,19 +273,55 @@ def run_grpo(args, tok) -> dict:
     return {"metrics": {key: [r[key] for r in rows] for key in GRPO_KEYS}}
 
 
+# -- DPO ---------------------------------------------------------------------------------------------
+def dpo_data(args) -> PreferenceDataModule:
+    """24 pairs ('X good ...' over 'X bad ...') through PreferenceDataModule: its ResumableSampler gives
+    rank r positions r, r+2, ... of one seeded permutation, so a per-rank batch of GLOBAL_BATCH / 2 pairs
+    makes the same global batches as the single process's GLOBAL_BATCH."""
+    path = Path(args.out) / f"dpo_pairs_{os.environ.get('RANK', '0')}.jsonl"  # one writer per file
+    with path.open("w") as f:
+        for i in range(24):
+            row = {"prompt": PROMPTS[i % 8], "chosen": " good" * (1 + i % 3), "rejected": " bad" * (1 + i % 2)}
+            f.write(json.dumps(row) + "\n")
+    world = 1 if args.strategy == "single" else 2
+    return PreferenceDataModule(
+        args.tokenizer, str(path), val_path=str(path), max_length=32, max_prompt_length=16,
+        batch_size=GLOBAL_BATCH // world, val_batch_size=GLOBAL_BATCH // world,
+    )  # fmt: skip
+
+
+def run_dpo(args, run: str, precompute: bool) -> dict:
+    seed_everything(0)
+    module = DPOModule(
+        ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
+        beta=0.5,
+        precompute_ref_logprobs=precompute,
+        optimizer=adamw(1e-2),
+        scheduler=None,
+        num_samples=2,
+        sample_max_new_tokens=4,
+    )
+    make_trainer(args, run, max_steps=3, num_sanity_val_steps=0).fit(module, dpo_data(args))
+    module.export_pretrained(str(Path(args.out) / f"{run}_export"))
+    rows = read_csv(args.out, run)
+    return {key: [r[key] for r in rows if key in r] for key in ("train/loss", "train/rewards/margins", "val/loss")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2", "fsdp1"], required=True)
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--runs", choices=["ppo", "grpo"], default="ppo", help="RM + PPO runs, or GRPO")
+    parser.add_argument("--runs", choices=["ppo", "grpo", "dpo"], default="ppo", help="RM + PPO runs, GRPO or DPO")
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(args.tokenizer)
     if args.runs == "grpo":
         results = {"grpo": run_grpo(args, tok)}
+    elif args.runs == "dpo":
+        results = {"dpo": run_dpo(args, "dpo", False), "dpo_precomputed": run_dpo(args, "dpo_pre", True)}
     else:
         results = {
             "rm": run_rm(args, tok),

@@ -1,4 +1,4 @@
-"""RM and PPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
+"""RM, PPO and DPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
 Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, PPO
 fit, LoRA PPO fit; FSDP2 also saves sharded after one rollout and resumes), and FSDP2 a GRPO fit; the
@@ -101,3 +101,17 @@ def test_fsdp2_grpo_equals_single_process(run):
     for key, values in expected.items():
         assert_close_lists(actual[key], values, f"fsdp2 grpo {key}")
     assert actual["rollout/kl_ref"][2] > 0.01, "the policy moved"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_dpo_losses_equal_single_process(run, strategy):
+    # 3 optimiser steps on the same global batches of 8 pairs (4 per rank), then validation on all 24;
+    # the precomputed run scores the data sets with each rank's share and all-gathers them.
+    single, dist = run("single", "dpo"), run(strategy, "dpo")
+    for name in ("dpo", "dpo_precomputed"):
+        for key, values in single[name].items():
+            assert len(values) == (1 if key == "val/loss" else 3), (name, key, values)
+            assert_close_lists(dist[name][key], values, f"{strategy} {name} {key}")
+    assert_close_lists(single["dpo_precomputed"]["train/loss"], single["dpo"]["train/loss"], "precomputed vs live")
+    losses = single["dpo"]["train/loss"]
+    assert abs(losses[0] - 0.693147) < 1e-5 and losses[-1] < losses[0], losses

@@ -49,7 +49,8 @@ class PreferenceCollator:
 
     Returns ``input_ids``, ``attention_mask``, ``response_mask``: (2B, L), RIGHT-padded to a common L;
     rows 0..B-1 are prompt + chosen, rows B..2B-1 prompt + rejected of the same pairs; plus ``margin``
-    (B,) float32 when the rows have one.
+    (B,) float32 and ``row_index`` (B,) long (the pair's position in its split, a key for precomputed
+    reference log-probs) when the rows have them.
     """
 
     pad_token_id: int
@@ -66,6 +67,8 @@ class PreferenceCollator:
         batch["response_mask"] = pad(response_masks, 0, "right")[0]
         if "margin" in rows[0]:
             batch["margin"] = torch.tensor([r["margin"] for r in rows], dtype=torch.float32)
+        if "row_index" in rows[0]:
+            batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
         return batch
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from lit_rlhf.data.base import LengthPolicy, RLHFDataModule
 from lit_rlhf.data.collators import PreferenceCollator
 from lit_rlhf.data.formats import (
@@ -25,7 +27,8 @@ class PreferenceDataModule(RLHFDataModule):
     Row formats (see :mod:`lit_rlhf.data.formats`): explicit ``prompt``/``chosen``/``rejected``,
     implicit ``chosen``/``rejected`` (Anthropic HH) and ShareGPT ``conversations`` + ``chosen``/``rejected``;
     an optional ``margin`` column. Batches come from :class:`~lit_rlhf.data.collators.PreferenceCollator`:
-    ``input_ids``, ``attention_mask``, ``response_mask`` (2B, L), chosen rows first, and ``margin`` (B,).
+    ``input_ids``, ``attention_mask``, ``response_mask`` (2B, L), chosen rows first, ``margin`` (B,) and
+    ``row_index`` (B,), each pair's position in its split (``train_dataset`` / ``val_dataset``).
     """
 
     slots = ("chosen", "rejected")
@@ -84,3 +87,12 @@ class PreferenceDataModule(RLHFDataModule):
 
     def detect_format(self, columns: list[str], source: str) -> str:
         return detect_preference_format(columns, source, self.hparams.format)
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        # DPOModule keys precomputed reference log-probs by a pair's position in its split
+        for name in ("train_dataset", "val_dataset"):
+            dataset = getattr(self, name)
+            if dataset is not None and "row_index" not in dataset.column_names:
+                setattr(self, name, dataset.add_column("row_index", list(range(len(dataset)))))

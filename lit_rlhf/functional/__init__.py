@@ -14,11 +14,13 @@ from lit_rlhf.functional.kl_controllers import (
 )
 from lit_rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from lit_rlhf.functional.losses import (
+    DPO_LOSS_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGGREGATIONS,
     aggregate_loss,
     aggregation_weight,
     clipped_value_loss,
+    dpo_loss,
     kl_penalty_policy_loss,
     pairwise_reward_loss,
     ppo_policy_loss,
@@ -31,6 +33,7 @@ from lit_rlhf.functional.stats import (
     masked_mean,
     masked_moments,
     masked_row_sum,
+    masked_sum,
     masked_var,
     masked_whiten,
     whiten_from_moments,
@@ -38,6 +41,7 @@ from lit_rlhf.functional.stats import (
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
@@ -52,6 +56,7 @@ __all__ = [
     "discounted_returns",
     "grpo_advantages",
     "group_score_stats",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "kl_penalty",
@@ -61,6 +66,7 @@ __all__ = [
     "masked_mean",
     "masked_moments",
     "masked_row_sum",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
     "whiten_from_moments",

@@ -19,6 +19,7 @@ __all__ = [
     "masked_mean",
     "masked_moments",
     "masked_row_sum",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
     "whiten_from_moments",
@@ -47,6 +48,23 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     total = torch.where(mask, x, 0.0).sum() if dim is None else torch.where(mask, x, 0.0).sum(dim)
     count = mask.sum() if dim is None else mask.sum(dim)
     return total / count
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of the real elements of ``x`` over ``dim`` (e.g. a sequence log-prob from token log-probs).
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape as ``x``; 1/True for real elements, 0/False for padding.
+        dim: dimension to reduce; None reduces over all elements.
+
+    Returns:
+        float32 (float64 kept) tensor: a scalar when ``dim`` is None, else ``x`` with ``dim`` removed;
+        0 where there is no real element.
+    """
+    check_same_shape("masked_sum", x=x, mask=mask)
+    kept = torch.where(mask.bool(), as_float(x), 0.0)
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

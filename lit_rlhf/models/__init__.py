@@ -15,6 +15,7 @@ from lit_rlhf.models.scoring import (
     causal_lm_logits_and_hidden,
     last_token_index,
     position_ids_from_mask,
+    response_logprobs,
     sequence_scores,
     token_values,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "position_ids_from_mask",
     "reference_logits_context",
     "reward_model_scores",
+    "response_logprobs",
     "sequence_scores",
     "token_values",
     "train_bpe_tokenizer",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lit_rlhf.functional import logprobs_from_logits, masked_sum
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count real tokens only.
@@ -79,6 +81,31 @@ def causal_lm_logits_and_hidden(
     extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
     out = model(**_forward_kwargs(input_ids, attention_mask), output_hidden_states=True, **extra)
     return out.logits, out.hidden_states[-1]
+
+
+def response_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs of the responses of (prompt + response) rows, from one forward.
+
+    Token ``t`` is scored from the logits at position ``t - 1``; only response tokens count (the EOS
+    that ends a response included, prompt and padding excluded), so the result is log pi(y | x).
+
+    Args:
+        model: an ``*ForCausalLM`` model (plain or peft).
+        input_ids: (N, L) prompt + response ids, any padding side.
+        attention_mask: (N, L), 1 for real tokens.
+        response_mask: (N, L), 1 on response tokens (a response token is never at position 0).
+
+    Returns:
+        logps (N,) float32, the sum of the response tokens' log-probs (with grad when the model has
+        it), and n_tokens (N,) long, the response lengths (for length-averaged log-probs).
+    """
+    logits = causal_lm_logits(model, input_ids, attention_mask)  # (N, L, V)
+    labels = input_ids[:, 1:]  # (N, L-1): token t+1 is predicted at position t
+    mask = response_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # (N, L-1)
+    token_logps = logprobs_from_logits(logits[:, :-1], labels)  # (N, L-1) float32
+    return masked_sum(token_logps, mask, dim=1), mask.sum(dim=1)  # (N,), (N,)
 
 
 def _score_head(model: nn.Module) -> nn.Module:

@@ -1,6 +1,7 @@
 """LightningModules of lit_rlhf."""
 
 from lit_rlhf.modules.critic_free import CriticFreeModule
+from lit_rlhf.modules.dpo import DPOModule
 from lit_rlhf.modules.online import OnlineRLModule
 from lit_rlhf.modules.optim import WarmupCosineLR
 from lit_rlhf.modules.ppo import PPOModule
@@ -9,6 +10,7 @@ from lit_rlhf.modules.sft import SFTModule
 
 __all__ = [
     "CriticFreeModule",
+    "DPOModule",
     "OnlineRLModule",
     "PPOModule",
     "RewardModelModule",

@@ -14,9 +14,6 @@ from lit_rlhf.models import (
     build_causal_lm,
     causal_lm_logits,
 )
-from lit_rlhf.modules.distributed import (
-    generation_context,
-)
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -115,30 +112,3 @@ class SFTModule(SingleModelModule):
             step = logger_step(self.trainer)
             log_text_table(self, f"{stage}/samples", ["prompt", "completion"], texts, step=step)
         self._sample_prompts = []
-
-    @torch.no_grad()
-    def generate_text(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[tuple[str, str]]:
-        """Greedy completions of token-id prompts, as (prompt, completion) strings."""
-        rows = []
-        was_training = self.model.training
-        self.model.eval()
-        for prompt in prompts:
-            ids = prompt.unsqueeze(0).to(self.device)
-            with generation_context(self, self.model):
-                out = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=self.tokenizer.pad_token_id,
-                    eos_token_id=self.tokenizer.eos_token_id,
-                    synced_gpus=self.trainer.world_size > 1,
-                )
-            rows.append(
-                (
-                    self.tokenizer.decode(prompt, skip_special_tokens=True),
-                    self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
-                )
-            )
-        self.model.train(was_training)
-        return rows

@@ -1,6 +1,6 @@
-"""``SingleModelModule``: what the SFT and reward-model modules share as modules that train one
+"""``SingleModelModule``: what the SFT, reward-model and DPO modules share as modules that train one
 Hugging Face model, ``self.model``: building it, sharding it, its optimiser, skipping non-finite steps,
-lean checkpoints, export."""
+lean checkpoints, export, greedy sample completions."""
 
 from __future__ import annotations
 
@@ -24,12 +24,17 @@ from lit_rlhf.modules.base import (
     internal_base,
     plain_hparams,
 )
-from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, shard_models
+from lit_rlhf.modules.distributed import (
+    gather_for_export,
+    generation_context,
+    is_sharded_checkpoint,
+    shard_models,
+)
 
 
 @internal_base
 class SingleModelModule(LightningModule):
-    """Base of :class:`SFTModule` and :class:`RewardModelModule` (subclasses document their arguments).
+    """Base of :class:`SFTModule`, :class:`RewardModelModule` and :class:`DPOModule` (subclasses document their arguments).
 
     Not a choice of the CLI's ``--model`` (see :mod:`lit_rlhf.cli`): it has no training step of its own.
     """
@@ -112,3 +117,31 @@ class SingleModelModule(LightningModule):
         full = gather_for_export(self, self.model)  # collective under FSDP; None off rank 0
         if full is not None:
             export_pretrained(full, self.tokenizer, folder)
+
+    @torch.no_grad()
+    def generate_text(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[tuple[str, str]]:
+        """Greedy completions of token-id prompts by the causal LM ``self.model``, as (prompt, completion)
+        strings. Collective under FSDP and multi-rank runs: every rank calls it (``synced_gpus``)."""
+        rows = []
+        was_training = self.model.training
+        self.model.eval()
+        for prompt in prompts:
+            ids = prompt.unsqueeze(0).to(self.device)
+            with generation_context(self, self.model):
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    synced_gpus=self.trainer.world_size > 1,
+                )
+            rows.append(
+                (
+                    self.tokenizer.decode(prompt, skip_special_tokens=True),
+                    self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
+                )
+            )
+        self.model.train(was_training)
+        return rows

@@ -1,0 +1,282 @@
+"""Offline preference optimisation of a causal LM: DPO, conservative DPO, IPO and SimPO.
+
+Metric names (TRL's, under the project's ``train/`` / ``val/`` prefixes): ``{stage}/loss``,
+``{stage}/rewards/chosen``, ``{stage}/rewards/rejected``, ``{stage}/rewards/margins``,
+``{stage}/rewards/accuracies``, ``{stage}/logps/chosen``, ``{stage}/logps/rejected``; ``val/samples``
+is a table of greedy completions of validation prompts.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lit_rlhf.functional import DPO_LOSS_TYPES, dpo_loss
+from lit_rlhf.models import (
+    ModelSpec,
+    build_causal_lm,
+    frozen_copy,
+    reference_logits_context,
+    response_logprobs,
+)
+from lit_rlhf.modules.distributed import is_sharded_checkpoint, shard_models, unwrap
+from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
+from lit_rlhf.models import disable_dropout as zero_dropout
+from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
+from lit_rlhf.modules.single import SingleModelModule
+
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class DPOModule(SingleModelModule):
+    """Direct preference optimisation on (prompt, chosen, rejected) batches from
+    :class:`~lit_rlhf.data.PreferenceDataModule` (``input_ids``/``attention_mask``/``response_mask`` of
+    shape (2B, L), the B chosen rows first): chosen and rejected are scored in one forward, a sequence's
+    log-prob summed over its response tokens (EOS included, prompt excluded).
+
+    Args:
+        model: the policy to optimise (usually the SFT export): a ``ModelSpec``, a dict of its fields
+            or a path string; with ``lora`` only the adapters train.
+        reference: the reference policy pi_ref; None = the initial policy: a frozen copy, or for a LoRA
+            policy the policy itself with its adapters disabled (no second copy). Must be None for
+            ``loss_type="simpo"`` (reference-free).
+        beta: > 0, strength of the implicit KL constraint to the reference (DPO's beta, IPO's tau).
+        loss_type: "sigmoid" (DPO; with ``label_smoothing`` > 0 conservative DPO), "ipo" or "simpo";
+            IPO and SimPO use length-averaged log-probs (see :func:`~lit_rlhf.functional.dpo_loss`).
+        label_smoothing: in [0, 0.5): assumed probability that a preference label is flipped (cDPO).
+        simpo_gamma: >= 0, SimPO's target reward margin (``loss_type="simpo"`` only).
+        precompute_ref_logprobs: score the whole training and validation sets with the reference once,
+            when fitting starts, keep the log-probs per pair (by ``row_index``) and free the reference;
+            needs a data module with ``train_dataset``/``val_dataset``/``collator`` (PreferenceDataModule).
+        disable_dropout: set the policy's dropout to 0, so that before the first update the policy and
+            the reference give the same log-probs (implicit rewards start at exactly 0), as TRL does.
+        optimizer: optimiser factory, e.g. ``torch.optim.AdamW`` with ``lr`` in YAML.
+        scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
+        num_samples: validation prompts whose greedy completions are logged as text (0 disables).
+        sample_max_new_tokens: length limit of those sample completions.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        reference: ModelSpec | None = None,
+        beta: float = 0.1,
+        loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.0,
+        precompute_ref_logprobs: bool = False,
+        disable_dropout: bool = True,
+        optimizer: OptimizerCallable = AdamW,
+        scheduler: LRSchedulerCallable | None = WarmupCosineLR,
+        num_samples: int = 4,
+        sample_max_new_tokens: int = 48,
+    ) -> None:
+        super().__init__()
+        model = ModelSpec.coerce(model, "model")
+        reference = None if reference is None else ModelSpec.coerce(reference, "reference")
+        _validate(reference, beta, loss_type, label_smoothing, simpo_gamma, precompute_ref_logprobs, num_samples)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self._init_model(model, build_causal_lm, optimizer, scheduler)
+        if disable_dropout:
+            zero_dropout(self.model)
+        # the reference: None when reference-free (SimPO) or when a LoRA policy disables its adapters
+        self.reference: torch.nn.Module | None = None
+        if reference is not None:
+            self.reference = frozen_copy(build_causal_lm(reference, self.tokenizer))
+        elif loss_type != "simpo" and model.lora is None:
+            self.reference = frozen_copy(self.model)
+        self.strict_loading = False  # the reference is rebuilt in __init__, not checkpointed
+        # split -> (rows, 2) float32 reference log-probs (chosen, rejected) summed over the response
+        self.ref_logps: dict[str, torch.Tensor] = {}
+        self._reference_released = False
+        self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in DPO_METRICS})
+        self._sample_prompts: list[torch.Tensor] = []
+
+    # -- the algorithm -----------------------------------------------------------------------------
+    def _step(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One DPO loss on a (2B, L) batch of B pairs."""
+        hp = self.hparams
+        # 1. Policy log-probs of chosen and rejected responses, one forward over the 2B rows.
+        logps, n_tokens = response_logprobs(
+            self.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        )  # (2B,), (2B,)
+        # 2. Reference log-probs: looked up (precomputed) or one frozen forward; none for SimPO.
+        ref_logps = None if hp.loss_type == "simpo" else self._reference_logps(batch, split)  # (2B,)
+        # 3. IPO and SimPO compare per-token (length-averaged) log-probs.
+        if hp.loss_type in ("ipo", "simpo"):
+            logps = logps / n_tokens.clamp(min=1)  # (2B,)
+            ref_logps = None if ref_logps is None else ref_logps / n_tokens.clamp(min=1)  # (2B,)
+        # 4. The preference loss on the B pairs (chosen rows first).
+        policy_chosen, policy_rejected = logps.chunk(2)  # (B,), (B,)
+        ref_chosen, ref_rejected = (None, None) if ref_logps is None else ref_logps.chunk(2)  # (B,), (B,)
+        return dpo_loss(
+            policy_chosen,
+            policy_rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=hp.beta,
+            loss_type=hp.loss_type,
+            label_smoothing=hp.label_smoothing,
+            simpo_gamma=hp.simpo_gamma,
+        )
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
+        """(2B,) float32 reference log-probs of the batch's rows, summed over their response tokens."""
+        if self.hparams.precompute_ref_logprobs:
+            return self._lookup(batch, split)
+        return self._score_reference(batch)
+
+    def _score_reference(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = self.reference if self.reference is not None else self.model
+        # a LoRA policy with its adapters disabled is the initial policy
+        context = reference_logits_context(unwrap(self.model)) if self.reference is None else nullcontext()
+        with torch.no_grad(), context:
+            logps, _ = response_logprobs(
+                model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+            )
+        return logps
+
+    def _lookup(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
+        if "row_index" not in batch:
+            raise KeyError(
+                "DPOModule(precompute_ref_logprobs=True): batches need a `row_index` (B,) column, as "
+                "PreferenceDataModule's collator gives"
+            )
+        if split not in self.ref_logps:
+            raise RuntimeError(f"DPOModule: no precomputed reference log-probs for the {split} split")
+        table = self.ref_logps[split]  # (rows, 2)
+        pairs = table[batch["row_index"].to(table.device)]  # (B, 2)
+        return torch.cat([pairs[:, 0], pairs[:, 1]])  # (2B,) chosen rows first
+
+    # -- precomputed reference log-probs -----------------------------------------------------------
+    def _precompute(self, splits: tuple[str, ...]) -> None:
+        """Score every pair of the data module's ``splits`` with the reference, keyed by row."""
+        datamodule = self.trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "collator"):
+            raise ValueError(
+                "DPOModule(precompute_ref_logprobs=True) reads the whole data set from a data module with "
+                "`train_dataset`, `val_dataset` and `collator` (PreferenceDataModule); pass one to the Trainer"
+            )
+        if self._reference_released:
+            raise RuntimeError("DPOModule: the reference was freed after precomputing; build a new module")
+        for split in splits:
+            dataset = getattr(datamodule, f"{split}_dataset", None)
+            if dataset is not None and split not in self.ref_logps:
+                self.ref_logps[split] = self._score_dataset(dataset, datamodule.collator, datamodule.hparams.batch_size)
+
+    @torch.no_grad()
+    def _score_dataset(self, dataset: Dataset, collator: Any, batch_size: int) -> torch.Tensor:
+        """(rows, 2) reference log-probs of (chosen, rejected); each rank scores a share, then all-gather.
+
+        The unshuffled ``DistributedSampler`` pads every rank to the same number of rows, so all ranks
+        run the same forwards (FSDP needs every rank in every forward).
+        """
+        world, rank = self.trainer.world_size, self.global_rank
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        indices, logps = [], []
+        for batch in DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator):
+            batch = self.transfer_batch_to_device(batch, self.device, 0)
+            indices.append(batch["row_index"])  # (B,)
+            logps.append(torch.stack(self._score_reference(batch).chunk(2), dim=1))  # (B, 2)
+        indices, logps = torch.cat(indices), torch.cat(logps)  # (n,), (n, 2)
+        if world > 1:
+            indices, logps = self.all_gather(indices).flatten(), self.all_gather(logps).reshape(-1, 2)
+        table = torch.full((len(dataset), 2), float("nan"), device=self.device)
+        table[indices] = logps
+        if table.isnan().any():
+            raise RuntimeError("DPOModule: some rows got no reference log-probs (row_index out of order?)")
+        return table
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.hparams.precompute_ref_logprobs:
+            self._precompute(("train", "val"))
+            # the reference leaves memory (a LoRA policy's adapters simply stay enabled)
+            self.reference, self._reference_released = None, self.reference is not None
+
+    @override
+    def on_validation_start(self) -> None:
+        if self.hparams.precompute_ref_logprobs and "val" not in self.ref_logps:
+            self._precompute(("val",))  # validate() without fit()
+
+    # -- Lightning hooks ---------------------------------------------------------------------------
+    @override
+    def configure_model(self) -> None:
+        shard_models(self, ("model", "reference"))
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, stats = self._step(batch, "train")
+        pairs = batch["input_ids"].shape[0] // 2
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
+        self.log_dict({f"train/{k}": v for k, v in stats.items()}, sync_dist=True, batch_size=pairs)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, stats = self._step(batch, "val")
+        pairs = batch["input_ids"].shape[0] // 2
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
+        for name, value in stats.items():
+            self.val_metrics[name.replace("/", "__")].update(value, pairs)
+        if batch_idx == 0 and self.hparams.num_samples:
+            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        for key, metric in self.val_metrics.items():
+            if metric.update_called:
+                self.log(f"val/{key.replace('__', '/')}", metric.compute(), prog_bar=key.endswith("accuracies"))
+            metric.reset()
+        if self._sample_prompts and not self.trainer.sanity_checking:
+            texts = self.generate_text(self._sample_prompts, self.hparams.sample_max_new_tokens)
+            log_text_table(self, "val/samples", ["prompt", "completion"], texts)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if not is_sharded_checkpoint(self):
+            for key in [k for k in checkpoint["state_dict"] if k.startswith("reference.")]:
+                del checkpoint["state_dict"][key]
+
+
+def _validate(
+    reference: ModelSpec | None,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    simpo_gamma: float,
+    precompute: bool,
+    num_samples: int,
+) -> None:
+    """Check DPOModule's arguments at construction, with messages naming the argument."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"DPOModule: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if not beta > 0:
+        raise ValueError(f"DPOModule: beta must be > 0, got {beta}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"DPOModule: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if loss_type == "ipo" and label_smoothing:
+        raise ValueError("DPOModule: label_smoothing is not defined for loss_type='ipo'")
+    if simpo_gamma < 0 or (simpo_gamma and loss_type != "simpo"):
+        raise ValueError(f"DPOModule: simpo_gamma must be >= 0 and needs loss_type='simpo', got {simpo_gamma}")
+    if loss_type == "simpo" and (reference is not None or precompute):
+        raise ValueError(
+            "DPOModule: loss_type='simpo' is reference-free; leave reference=None and precompute_ref_logprobs=False"
+        )
+    if num_samples < 0:
+        raise ValueError(f"DPOModule: num_samples must be >= 0, got {num_samples}")
