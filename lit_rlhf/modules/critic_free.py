@@ -95,11 +95,11 @@ class CriticFreeModule(OnlineRLModule):
 
     def __init__(
         self,
-        actor: ModelSpec | dict | str,
-        reward_model: ModelSpec | dict | str | None = None,
+        actor: ModelSpec,
+        reward_model: ModelSpec | None = None,
         reward_fn: str | None = None,
         monitor_reward_fn: str | None = None,
-        reference: ModelSpec | dict | str | None = None,
+        reference: ModelSpec | None = None,
         advantage_estimator: AdvantageEstimator = "grpo",
         generation: GenerationSettings | dict | None = None,
         ppo_epochs: int = 4,

@@ -25,9 +25,9 @@ from lit_rlhf.models import (
     reference_logits_context,
     response_logprobs,
 )
+from lit_rlhf.models import disable_dropout as zero_dropout
 from lit_rlhf.modules.distributed import is_sharded_checkpoint, shard_models, unwrap
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
-from lit_rlhf.models import disable_dropout as zero_dropout
 from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
 

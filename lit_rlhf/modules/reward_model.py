@@ -70,7 +70,7 @@ class RewardModelModule(SingleModelModule):
 
     def __init__(
         self,
-        model: ModelSpec | dict | str,
+        model: ModelSpec,
         optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,

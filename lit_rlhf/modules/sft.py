@@ -33,7 +33,7 @@ class SFTModule(SingleModelModule):
 
     def __init__(
         self,
-        model: ModelSpec | dict | str,
+        model: ModelSpec,
         optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
