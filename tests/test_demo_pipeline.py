@@ -75,7 +75,8 @@ def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
             assert seed["peak_rss_mb"] > 100  # a process that imported torch
             # The miniature SFT policy writes no grammatical review: gold has no spread, lift is undefined.
             assert summary["sft_gold_std"] == 0.0 and seed["gold_lift_sft_std"] is None
-            assert seed["time_to_target_s"] is None and seed["meets_target"] is False
+            assert seed["time_to_target_s"] is None and seed["steps_to_target"] is None
+            assert seed["meets_target"] is False
             points = compare.read_curve(out / "curves" / f"{seed['run']}.json")
             assert [p["step"] for p in points] == [0, 1, 2]  # before training, after each of 2 rollouts
             assert points[0]["kl_ref"] == 0.0 and points[0]["seconds"] < points[-1]["seconds"]
@@ -192,6 +193,7 @@ def test_time_to_target_by_hand():
               _point(12, 9.5, 5.0, 4.0), _point(16, 12.0, 7.0, 3.0)]  # fmt: skip
     assert curves.lift(points) == [0.0, 1.5, 2.5, 2.0, 3.0]
     assert curves.time_to_target(points) == 9.5  # lift 2.0 exactly at KL 4.0 exactly: reached
+    assert curves.target_point(points) is points[3]
     assert curves.time_to_target(points, kl_budget=5.0) == 6.0
     assert curves.time_to_target(points, target_lift=3.5) is None
     assert curves.lift([_point(0, 0.0, 1.0, 0.0, gold_std=0.0)]) == [None]
@@ -216,7 +218,7 @@ def test_seed_figures_meet_the_target_only_with_lift_kl_and_grammar():
     final = {"gold_mean": 4.2, "kl_ref": 3.9, "grammatical_rate": 0.96}
     figures = compare.seed_figures("ppo", 0, final, sft, points, Record())
     assert figures["gold_lift_sft_std"] == pytest.approx(2.1) and figures["meets_target"]
-    assert figures["time_to_target_s"] == 5.0 and figures["train_s"] == 5.0
+    assert figures["time_to_target_s"] == 5.0 and figures["steps_to_target"] == 4 and figures["train_s"] == 5.0
     for change in ({"kl_ref": 4.1}, {"grammatical_rate": 0.94}, {"gold_mean": 3.9}):
         assert not compare.seed_figures("ppo", 0, {**final, **change}, sft, points, Record())["meets_target"]
 

@@ -13,11 +13,11 @@ import json
 import statistics
 from pathlib import Path
 
-from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, lift, time_to_target
+from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, lift, target_point
 
 METRICS = (
     "gold_mean", "gold_lift_sft_std", "kl_ref", "grammatical_rate",
-    "time_to_target_s", "train_s", "wall_s", "peak_rss_mb",
+    "time_to_target_s", "steps_to_target", "train_s", "wall_s", "peak_rss_mb",
 )  # fmt: skip
 MIN_GRAMMATICAL_RATE = 0.95  # the demo's target also keeps >= 95% of the reviews grammatical
 
@@ -30,6 +30,7 @@ def read_curve(path: str | Path) -> list[dict]:
 def seed_figures(run: str, seed: int, summary: dict, sft: dict, points: list[dict], record) -> dict:
     """The figures of one run: final evaluation ``summary`` against the SFT one, its curve and stage record."""
     gold_lift = (summary["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None
+    target = target_point(points)
     figures = {
         "seed": seed,
         "run": run,
@@ -37,7 +38,8 @@ def seed_figures(run: str, seed: int, summary: dict, sft: dict, points: list[dic
         "gold_lift_sft_std": gold_lift,
         "kl_ref": summary["kl_ref"],
         "grammatical_rate": summary["grammatical_rate"],
-        "time_to_target_s": time_to_target(points),
+        "time_to_target_s": None if target is None else target["seconds"],
+        "steps_to_target": None if target is None else target["step"],
         "train_s": points[-1]["seconds"],
         "wall_s": record.wall_s,
         "peak_rss_mb": record.peak_rss_mb,
@@ -79,9 +81,10 @@ def aggregate(per_seed: list[dict]) -> dict:
 
 def _cell(entry: dict, metric: str, spec: str) -> str:
     mean, std, low = entry[metric], entry["std"][metric], entry["min"][metric]
+    missing = "never" if "to_target" in metric else "n/a"  # a seed that never reached the target
+    text = missing if mean is None else format(mean, spec)
     if entry["n_seeds"] == 1:
-        return "never" if mean is None and metric == "time_to_target_s" else format(mean, spec)
-    text = "n/a" if mean is None else format(mean, spec)
+        return text
     text += "" if std is None else f" ± {format(std, spec.lstrip('+'))}"
     return text + ("" if low is None else f" (min {format(low, spec)})")
 
@@ -91,7 +94,8 @@ def table_md(algorithms: dict[str, dict]) -> list[str]:
     columns = (
         ("gold mean", "gold_mean", "+.2f"), ("lift (SFT std)", "gold_lift_sft_std", "+.2f"),
         ("KL (nats)", "kl_ref", ".2f"), ("grammatical", "grammatical_rate", ".3f"),
-        ("time to target (s)", "time_to_target_s", ".0f"), ("train s", "train_s", ".0f"),
+        ("time to target (s)", "time_to_target_s", ".1f"), ("steps to target", "steps_to_target", ".0f"),
+        ("train s", "train_s", ".0f"),
         ("wall s", "wall_s", ".0f"), ("peak RSS MB", "peak_rss_mb", ".0f"),
     )  # fmt: skip
     lines = ["| algorithm | seeds | " + " | ".join(c[0] for c in columns) + " | seeds on target |"]
@@ -141,3 +145,27 @@ def curve_prompts(summary: dict) -> int:
     """Held-out prompts per gold-curve point of a report's runs."""
     first = next(iter(summary["algorithms"].values()))["seeds"][0]
     return first["curve_prompts"]
+
+
+def section_md(summary: dict) -> list[str]:
+    """The report's side-by-side section: what the figures are, then the table."""
+    n_seeds = summary["n_seeds"]
+    if n_seeds == 1:
+        seeds_line = (
+            "One training seed per algorithm (`--seeds 1`, the default): no spread is measured; "
+            "`--seeds 3` reports mean ± sample std (min) over three seeds."
+        )
+    else:
+        seeds_line = f"{n_seeds} training seeds per algorithm: mean ± sample std (min) over seeds."
+    return [
+        f"From the same SFT policy against the same proxy reward model. {seeds_line} Lift and KL on every"
+        f" held-out prompt at the end of training; time to target = training seconds (gold-curve"
+        f" evaluations excluded) until the gold curve's lift first reaches {TARGET_LIFT:g} SFT std"
+        f" within {KL_BUDGET:g} nats, on {curve_prompts(summary)} held-out prompts per point;"
+        f" on target = lift >= {TARGET_LIFT:g}, KL <= {KL_BUDGET:g}, grammatical >="
+        f" {MIN_GRAMMATICAL_RATE:g} at the end; wall s and peak RSS of the stage's own process.",
+        "",
+        *table_md(summary["algorithms"]),
+        "",
+        "Per-seed figures: `report.json` -> `algorithms.<name>.seeds`; curves: `curves/<run>.json`.",
+    ]

@@ -36,17 +36,25 @@ def lift(points: list[dict]) -> list[float | None]:
     return [(p["gold_mean"] - first["gold_mean"]) / first["gold_std"] for p in points]
 
 
-def time_to_target(
+def target_point(
     points: list[dict], target_lift: float = TARGET_LIFT, kl_budget: float = KL_BUDGET
-) -> float | None:
-    """Training seconds of the first point with a gold lift >= ``target_lift`` and a KL <= ``kl_budget``.
+) -> dict | None:
+    """The first point with a gold lift >= ``target_lift`` and a KL <= ``kl_budget``, or None.
 
-    Returns None when no point reaches it (or the initial policy's gold has no spread).
+    None too when the initial policy's gold has no spread (no lift is defined).
     """
     for point, point_lift in zip(points, lift(points)):
         if point_lift is not None and point_lift >= target_lift and point["kl_ref"] <= kl_budget:
-            return point["seconds"]
+            return point
     return None
+
+
+def time_to_target(
+    points: list[dict], target_lift: float = TARGET_LIFT, kl_budget: float = KL_BUDGET
+) -> float | None:
+    """Training seconds of the first point that reaches the target (:func:`target_point`), or None."""
+    point = target_point(points, target_lift, kl_budget)
+    return None if point is None else point["seconds"]
 
 
 class GoldCurve(Callback):

@@ -270,7 +270,7 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
             f"- Over-optimisation run: weak proxy RM accuracy {summary['rm_weak_val_accuracy']:.3f};"
             f" final gold {summary['overoptimize_gold_mean']:+.2f}, KL {summary['overoptimize_kl_ref']:.2f}."
         )
-    lines += ["", "## Algorithms side by side", "", *_algorithms_md(summary)]
+    lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
     lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
     reused = set(summary["reused_stages"])
     lines += [f"| {stage} | {seconds:.1f}{' (reused)' if stage in reused else ''} |" for stage, seconds in wall.items()]
@@ -278,29 +278,6 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
     lines += [f"![{name}]({Path(p).name})" for name, p in summary["plots"].items()]
     lines += ["", "Samples: [samples.md](samples.md). TensorBoard: `tensorboard --logdir tb`.", ""]
     return "\n".join(lines)
-
-
-def _algorithms_md(summary: dict) -> list[str]:
-    n_seeds = summary["n_seeds"]
-    if n_seeds == 1:
-        seeds_line = (
-            "One training seed per algorithm (`--seeds 1`, the default): no spread is measured; "
-            "`--seeds 3` reports mean ± sample std (min) over three seeds."
-        )
-    else:
-        seeds_line = f"{n_seeds} training seeds per algorithm: mean ± sample std (min) over seeds."
-    return [
-        f"From the same SFT policy against the same proxy reward model. {seeds_line} Lift and KL on every"
-        f" held-out prompt at the end of training; time to target = training seconds (gold-curve"
-        f" evaluations excluded) until the gold curve's lift first reaches {compare.TARGET_LIFT:g} SFT std"
-        f" within {KL_BUDGET:g} nats, on {compare.curve_prompts(summary)} held-out prompts per point;"
-        f" on target = lift >= {compare.TARGET_LIFT:g}, KL <= {KL_BUDGET:g}, grammatical >="
-        f" {compare.MIN_GRAMMATICAL_RATE:g} at the end; wall s and peak RSS of the stage's own process.",
-        "",
-        *compare.table_md(summary["algorithms"]),
-        "",
-        "Per-seed figures: `report.json` -> `algorithms.<name>.seeds`; curves: `curves/<run>.json`.",
-    ]
 
 
 def console_summary(summary: dict) -> str:
