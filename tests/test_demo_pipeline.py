@@ -169,6 +169,9 @@ def test_online_configs_must_sample_alike(tmp_path):
         pipeline.check_online_configs({"other": hotter}, max_response_tokens=23)
     with pytest.raises(ValueError, match="max_new_tokens=24 is below"):
         pipeline.check_online_configs({"ppo": ppo}, max_response_tokens=30)
+    unbounded = stages.merge(ppo, {"model": {"init_args": {"max_rollouts": None}}})
+    with pytest.raises(ValueError, match=r"configs/demo/other.yaml: .* sets model.init_args.max_rollouts"):
+        pipeline.check_online_configs({"other": unbounded}, max_response_tokens=23)
 
 
 def test_seeds_and_algorithms_arguments():

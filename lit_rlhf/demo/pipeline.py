@@ -73,6 +73,9 @@ class Algorithm:
     config: str | None = None
 
 
+# One entry per configs/demo/<name>.yaml run side by side. An online algorithm sets `online`, its policy
+# attribute and its seed arguments; an offline one (a DPO fit on the RM's preference pairs) `online=False`
+# and a `curve_every` in its own optimiser steps.
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
 }
@@ -162,15 +165,19 @@ def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> 
                 f"{where}: generation.temperature={generation.get('temperature')}: the demo samples and"
                 f" measures KL at {EVAL_TEMPERATURE} (pipeline.EVAL_TEMPERATURE)"
             )
+        if not init.get("max_rollouts"):
+            raise ValueError(f"{where}: an online algorithm of the demo sets model.init_args.max_rollouts")
         per_prompt = generation.get("num_samples", 1)
         counts[name] = init["max_rollouts"] * config["data"]["init_args"]["batch_size"] * per_prompt
     if len(set(counts.values())) > 1:
         raise ValueError(f"the online algorithms must sample as many responses; they sample {counts}")
 
 
-def run_stages(runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int],
-               overoptimize: bool, manifest: dict) -> dict[str, list[StageRecord]]:  # fmt: skip
-    """Every fit of the demo; returns the runs of each algorithm (one per seed)."""
+def run_stages(
+    runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
+    manifest: dict,
+) -> dict[str, list[StageRecord]]:  # fmt: skip
+    """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order)."""
     salt = json.dumps(manifest["args"], sort_keys=True)
     runner.fit("sft", load_config("sft", out, small), salt=salt)
     runner.fit("rm", load_config("rm", out, small), ("sft",))
