@@ -28,6 +28,11 @@ from lit_rlhf.models import load_tokenizer, sequence_scores
 from lit_rlhf.modules.ppo_parts import chunked, masked_row_sum, policy_forward
 from lit_rlhf.rollout import GenerationSettings, generate_responses
 
+# How every policy is sampled in the evaluation (and in the gold curves): the rollout settings of the
+# online configs, which must match it so that their KL figures measure the same distributions.
+EVAL_TEMPERATURE = 0.8
+EVAL_MAX_NEW_TOKENS = 24
+
 
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open() as f:

@@ -40,14 +40,11 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.demo import assets, evaluate, report  # noqa: E402
+from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
 from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
 
 # Asset sizes of the full demo (see assets.build_assets); --small uses assets.SMALL.
 FULL_ASSETS = dict(n_sft=80_000, n_prompts=16_384, n_pref_prompts=4_000, completions_per_prompt=4, n_eval_prompts=1_024)
-# How every policy is sampled in the evaluation (and in the gold curves): the rollout settings of the
-# online configs, which must match it so that their KL figures measure the same distributions.
-EVAL_TEMPERATURE = 0.8
-EVAL_MAX_NEW_TOKENS = 24
 CURVE_PROMPTS = 256  # held-out prompts per gold-curve point (the first ones of prompts_eval.jsonl)
 
 
@@ -163,7 +160,7 @@ def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> 
         if generation.get("temperature") != EVAL_TEMPERATURE:
             raise ValueError(
                 f"{where}: generation.temperature={generation.get('temperature')}: the demo samples and"
-                f" measures KL at {EVAL_TEMPERATURE} (pipeline.EVAL_TEMPERATURE)"
+                f" measures KL at {EVAL_TEMPERATURE} (evaluate.EVAL_TEMPERATURE)"
             )
         if not init.get("max_rollouts"):
             raise ValueError(f"{where}: an online algorithm of the demo sets model.init_args.max_rollouts")

@@ -16,6 +16,7 @@ from typing import Any
 
 from lit_rlhf.demo import compare
 from lit_rlhf.demo.curves import KL_BUDGET
+from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
 
 MIN_PROMPTS_PER_POINT = 256
 SAMPLES_IN_REPORT = 24
@@ -179,7 +180,7 @@ def write_report(
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
     first_runs = [records[0].run for records in algorithm_runs.values()]
     shown = ["sft", *first_runs, *[n for n in ("ppo_overoptimize",) if n in results]]
-    (out / "samples.md").write_text(_samples_md(results, shown, _temperature(runs)))
+    (out / "samples.md").write_text(_samples_md(results, shown, EVAL_TEMPERATURE))
 
     sft = results["sft"]["summary"]
     algorithms, gold_curves = {}, {}
@@ -226,14 +227,6 @@ def write_report(
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
-
-
-def _temperature(runs: dict) -> float:
-    for run in runs.values():
-        generation = run.config["model"]["init_args"].get("generation")
-        if generation:
-            return generation.get("temperature", 1.0)
-    return 1.0
 
 
 def _fmt(value: float | None, spec: str) -> str:
