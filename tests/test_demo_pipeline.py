@@ -1,76 +1,234 @@
-"""The demo pipeline: a miniature end-to-end run (--small) and its helpers."""
+"""The demo pipeline: a miniature end-to-end run (--small) with two algorithms and two seeds, and its helpers."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit_rlhf.demo import pipeline, report
+from lit_rlhf.demo import compare, curves, pipeline, report, stages
 
 REQUIRED_KEYS = (
     "rm_val_accuracy", "sft_gold_mean", "sft_gold_std", "ppo_gold_mean", "ppo_gold_std", "ppo_kl_ref",
     "sft_grammatical_rate", "ppo_grammatical_rate", "wall_s",
 )  # fmt: skip
+ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_meeting_target",
+                  "seeds_reaching_target_in_curve"}  # fmt: skip
+# A second algorithm for the side-by-side: PPO's own config under another name (same settings and seeds,
+# so its figures must equal PPO's: the stages are deterministic in their own processes).
+PPO_COPY = pipeline.Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), config="ppo")
+ARGS = ["--small", "--algorithms", "ppo,ppo_copy", "--seeds", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory) -> Path:
+def small_run(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """The miniature run, then the same command again with --reuse: (out, first summary, second summary)."""
     out = tmp_path_factory.mktemp("demo")
-    pipeline.main(["--out", str(out), "--small"])  # the over-optimisation run is on by default
-    return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(pipeline.ALGORITHMS, "ppo_copy", PPO_COPY)
+        first = pipeline.main(["--out", str(out), *ARGS])  # the over-optimisation run is on by default
+        again = pipeline.main(["--out", str(out), *ARGS, "--reuse"])
+    return out, first, again
 
 
 def test_small_pipeline_writes_the_report(small_run):
+    out, summary, again = small_run
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
-                 "ppo_overoptimize_reward_vs_kl.png"):  # fmt: skip
-        assert (small_run / name).stat().st_size > 0, name
-    summary = json.loads((small_run / "report.json").read_text())
+                 "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
-    stages = summary["wall_s_per_stage"]
-    assert set(stages) == {"assets", "sft", "rm", "ppo", "rm_weak", "ppo_overoptimize", "evaluate", "report"}
-    assert summary["wall_s"] >= sum(stages.values()) - 1e-6
+    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1"}
+    stages_run = summary["wall_s_per_stage"]
+    assert set(stages_run) == {"assets", "sft", "rm", "rm_weak", "ppo_overoptimize", "evaluate", "report"} | runs
+    assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
     # The SFT policy is its own reference: its KL is exactly zero.
     assert summary["sft_kl_ref"] == 0.0
     assert 0.0 <= summary["rm_val_accuracy"] <= 1.0
     assert summary["max_new_tokens"] >= summary["max_response_tokens"]
-    assert summary["ppo_kl_budget"] == report.KL_BUDGET
+    assert summary["ppo_kl_budget"] == report.KL_BUDGET == curves.KL_BUDGET
     assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
+    assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
+    report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
+    assert "| ppo | 0,1 |" in report_md and "| ppo_copy | 0,1 |" in report_md
+    assert "2 training seeds per algorithm" in report_md
+
+
+def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
+    out, summary, _ = small_run
+    assert list(summary["algorithms"]) == ["ppo", "ppo_copy"]
+    for name, entry in summary["algorithms"].items():
+        assert set(entry) == ALGORITHM_KEYS, name
+        assert [s["seed"] for s in entry["seeds"]] == [0, 1]
+        assert [s["run"] for s in entry["seeds"]] == [name, f"{name}_seed1"]
+        for seed in entry["seeds"]:
+            for metric in ("gold_mean", "kl_ref", "grammatical_rate", "train_s", "wall_s", "peak_rss_mb"):
+                assert isinstance(seed[metric], float) and math.isfinite(seed[metric]), (name, metric)
+            assert seed["peak_rss_mb"] > 100  # a process that imported torch
+            # The miniature SFT policy writes no grammatical review: gold has no spread, lift is undefined.
+            assert summary["sft_gold_std"] == 0.0 and seed["gold_lift_sft_std"] is None
+            assert seed["time_to_target_s"] is None and seed["steps_to_target"] is None
+            assert seed["meets_target"] is False
+            points = compare.read_curve(out / "curves" / f"{seed['run']}.json")
+            assert [p["step"] for p in points] == [0, 1, 2]  # before training, after each of 2 rollouts
+            assert points[0]["kl_ref"] == 0.0 and points[0]["seconds"] < points[-1]["seconds"]
+        kl = [s["kl_ref"] for s in entry["seeds"]]
+        assert entry["kl_ref"] == pytest.approx(sum(kl) / 2)
+        assert entry["std"]["kl_ref"] == pytest.approx(abs(kl[0] - kl[1]) / math.sqrt(2))
+        assert entry["min"]["kl_ref"] == min(kl)
+        assert entry["time_to_target_s"] is None and entry["n_seeds"] == 2
+    ppo, copy = summary["algorithms"]["ppo"]["seeds"], summary["algorithms"]["ppo_copy"]["seeds"]
+    assert [s["kl_ref"] for s in ppo] == [s["kl_ref"] for s in copy]  # same config and seed, same result
+    assert ppo[0]["kl_ref"] != ppo[1]["kl_ref"]  # another training seed, another result
+
+
+def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
+    _, first, again = small_run
+    assert set(again["reused_stages"]) == {
+        "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "rm_weak", "ppo_overoptimize",
+    }  # fmt: skip
+    for name in ("ppo", "ppo_copy"):
+        assert again["algorithms"][name]["seeds"] == [
+            {**seed, "reused": True} for seed in first["algorithms"][name]["seeds"]
+        ]
+    assert again["ppo_gold_mean"] == first["ppo_gold_mean"]
+    # reused stages keep their recorded wall time, which this run's total does not include
+    assert again["wall_s_per_stage"]["ppo"] == first["wall_s_per_stage"]["ppo"]
+    assert again["wall_s"] < first["wall_s"]
+    seconds = first["wall_s_per_stage"]["ppo"]
+    assert f"| ppo | {seconds:.1f} (reused) |" in (Path(again["plots"]["ppo"]).parent / "report.md").read_text()
 
 
 def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
-    for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "rm_weak", "ppo_overoptimize/actor"):
-        assert (small_run / folder / "config.json").exists(), folder
-    for stage in ("sft", "rm", "ppo", "rm_weak", "ppo_overoptimize"):
-        assert list((small_run / "tb" / stage).glob("events.out.tfevents.*")), stage
-    ppo = report.read_scalars(small_run / "tb" / "ppo")
-    # one point per rollout for the curves of the report
+    out, _, _ = small_run
+    for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "rm_weak", "ppo_overoptimize/actor"):
+        assert (out / folder / "config.json").exists(), folder
+    for stage in ("sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "rm_weak", "ppo_overoptimize"):
+        assert list((out / "tb" / stage).glob("events.out.tfevents.*")), stage
+    ppo = report.read_scalars(out / "tb" / "ppo")
+    # one point per rollout for the curves of the report; the gold curve's points beside them
     assert len(ppo["rollout/kl_ref"]) == len(ppo["rollout/monitor_score"]) == 2
+    assert [step for step, _ in ppo["heldout/gold_mean"]] == [0, 1, 2]
 
 
-def test_assets_are_reused_for_the_same_settings(small_run, capsys):
-    manifest = pipeline.build_or_reuse_assets(small_run / "assets", small=True, seed=0)
-    assert "reusing" in capsys.readouterr().out
-    assert manifest["args"]["n_sft"] == 256
+def test_held_out_sampling_leaves_the_global_random_state_alone(small_run):
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.demo.evaluate import sample_responses
+    from lit_rlhf.models import load_tokenizer
+    from lit_rlhf.rollout import GenerationSettings
+
+    out, _, _ = small_run
+    policy = AutoModelForCausalLM.from_pretrained(out / "ppo" / "actor").eval()
+    reference = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
+    tokenizer = load_tokenizer(str(out / "sft"), padding_side="left")
+    prompts = ["the movie was", "the food felt", "the plot"]
+    state = torch.get_rng_state()
+    args = (policy, reference, tokenizer, prompts, GenerationSettings(max_new_tokens=8, temperature=0.8))
+    first, second = sample_responses(*args, seed=3), sample_responses(*args, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert first == second and all(row["proxy"] is None for row in first)
 
 
 def test_stage_configs_move_every_demo_path_under_out(tmp_path):
     for stage in ("sft", "rm", "ppo", "rm_weak", "ppo_overoptimize"):
-        text = pipeline.stage_config(stage, tmp_path, small=False).read_text()
+        text = yaml.safe_dump(stages.load_config(stage, tmp_path, small=False))
         assert "runs/demo" not in text, stage
-        config = yaml.safe_load(text)
-        assert config["trainer"]["logger"]["init_args"]["save_dir"] == str(tmp_path / "tb")
+        assert yaml.safe_load(text)["trainer"]["logger"]["init_args"]["save_dir"] == str(tmp_path / "tb")
+
+
+def test_algorithm_config_names_runs_by_seed_and_adds_the_gold_curve(tmp_path):
+    run, config = pipeline.algorithm_config("ppo", 2, tmp_path, small=False)
+    assert run == "ppo_seed2"
+    assert config["seed_everything"] == 2 and config["model"]["init_args"]["rng_seed"] == 2
+    assert config["trainer"]["logger"]["init_args"]["name"] == "ppo_seed2"
+    assert stages.export_dir(config) == str(tmp_path / "ppo_seed2")
+    curve = config["trainer"]["callbacks"][-1]
+    assert curve["class_path"] == "lit_rlhf.demo.curves.GoldCurve"
+    assert curve["init_args"]["output"] == str(tmp_path / "curves" / "ppo_seed2.json")
+    assert curve["init_args"]["reference"] == str(tmp_path / "sft")
+    assert pipeline.algorithm_config("ppo", 0, tmp_path, small=False)[0] == "ppo"
+
+
+def test_online_configs_must_sample_alike(tmp_path):
+    ppo = stages.load_config("ppo", tmp_path, small=False)
+    pipeline.check_online_configs({"ppo": ppo}, max_response_tokens=23)
+    fewer = stages.merge(ppo, {"model": {"init_args": {"max_rollouts": 10}}})
+    with pytest.raises(ValueError, match="as many responses"):
+        pipeline.check_online_configs({"ppo": ppo, "other": fewer}, max_response_tokens=23)
+    hotter = stages.merge(ppo, {"model": {"init_args": {"generation": {"temperature": 1.0}}}})
+    with pytest.raises(ValueError, match=r"configs/demo/other.yaml: generation.temperature=1.0"):
+        pipeline.check_online_configs({"other": hotter}, max_response_tokens=23)
+    with pytest.raises(ValueError, match="max_new_tokens=24 is below"):
+        pipeline.check_online_configs({"ppo": ppo}, max_response_tokens=30)
+    unbounded = stages.merge(ppo, {"model": {"init_args": {"max_rollouts": None}}})
+    with pytest.raises(ValueError, match=r"configs/demo/other.yaml: .* sets model.init_args.max_rollouts"):
+        pipeline.check_online_configs({"other": unbounded}, max_response_tokens=23)
+
+
+def test_seeds_and_algorithms_arguments():
+    assert pipeline.parse_seeds("3") == [0, 1, 2]
+    assert pipeline.parse_seeds("0,5,7") == [0, 5, 7]
+    assert pipeline.parse_seeds("4,") == [4]
+    for bad in ("0", "x", "1,1", "-1,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--seeds"):
+            pipeline.parse_seeds(bad)
+    assert pipeline.parse_algorithms("ppo, ppo") == ["ppo"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown \['nope'\]; registered: ppo"):
+        pipeline.parse_algorithms("ppo,nope")
+
+
+def _point(step, seconds, gold_mean, kl, gold_std=2.0):
+    return {"step": step, "seconds": seconds, "gold_mean": gold_mean, "gold_std": gold_std, "kl_ref": kl, "n_prompts": 8}
+
+
+def test_time_to_target_by_hand():
+    # first point: gold 1.0, std 2.0 -> lifts (g - 1) / 2: 0, 1.5, 2.5 (KL 4.5 over budget), 2.0, 3.0
+    points = [_point(0, 0.0, 1.0, 0.0), _point(4, 3.0, 4.0, 2.0), _point(8, 6.0, 6.0, 4.5),
+              _point(12, 9.5, 5.0, 4.0), _point(16, 12.0, 7.0, 3.0)]  # fmt: skip
+    assert curves.lift(points) == [0.0, 1.5, 2.5, 2.0, 3.0]
+    assert curves.time_to_target(points) == 9.5  # lift 2.0 exactly at KL 4.0 exactly: reached
+    assert curves.target_point(points) is points[3]
+    assert curves.time_to_target(points, kl_budget=5.0) == 6.0
+    assert curves.time_to_target(points, target_lift=3.5) is None
+    assert curves.lift([_point(0, 0.0, 1.0, 0.0, gold_std=0.0)]) == [None]
+    assert curves.time_to_target([_point(0, 0.0, 1.0, 0.0, gold_std=0.0), _point(1, 1.0, 9.0, 0.1)]) is None
+
+
+def test_spread_by_hand():
+    # values 1, 2, 6: mean 3, sample variance ((-2)^2 + (-1)^2 + 3^2) / 2 = 7
+    assert compare.spread([1.0, 2.0, 6.0]) == {"mean": 3.0, "std": math.sqrt(7.0), "min": 1.0}
+    assert compare.spread([5.0]) == {"mean": 5.0, "std": None, "min": 5.0}
+    # a seed that never reached the target: no mean, the spread of those that did
+    assert compare.spread([None, 2.0, 4.0]) == {"mean": None, "std": math.sqrt(2.0), "min": 2.0}
+    assert compare.spread([None]) == {"mean": None, "std": None, "min": None}
+
+
+def test_seed_figures_meet_the_target_only_with_lift_kl_and_grammar():
+    class Record:
+        wall_s, peak_rss_mb, reused = 10.0, 500.0, False
+
+    sft = {"gold_mean": 0.0, "gold_std": 2.0}
+    points = [_point(0, 0.0, 0.0, 0.0), _point(4, 5.0, 4.4, 3.0)]
+    final = {"gold_mean": 4.2, "kl_ref": 3.9, "grammatical_rate": 0.96}
+    figures = compare.seed_figures("ppo", 0, final, sft, points, Record())
+    assert figures["gold_lift_sft_std"] == pytest.approx(2.1) and figures["meets_target"]
+    assert figures["time_to_target_s"] == 5.0 and figures["steps_to_target"] == 4 and figures["train_s"] == 5.0
+    for change in ({"kl_ref": 4.1}, {"grammatical_rate": 0.94}, {"gold_mean": 3.9}):
+        assert not compare.seed_figures("ppo", 0, {**final, **change}, sft, points, Record())["meets_target"]
 
 
 def test_small_overrides_merge_into_nested_config():
     base = {"model": {"init_args": {"lr": 1, "model": {"config": {"n_embd": 128}, "seed": 0}}}}
-    merged = pipeline._merge(base, {"model": {"init_args": {"model": {"config": {"n_embd": 32}}}}})
+    merged = stages.merge(base, {"model": {"init_args": {"model": {"config": {"n_embd": 32}}}}})
     assert merged == {"model": {"init_args": {"lr": 1, "model": {"config": {"n_embd": 32}, "seed": 0}}}}
     assert base["model"]["init_args"]["model"]["config"] == {"n_embd": 128}  # not mutated
 

@@ -28,6 +28,11 @@ from lit_rlhf.functional import masked_row_sum
 from lit_rlhf.models import chunked, load_tokenizer, policy_forward, sequence_scores
 from lit_rlhf.rollout import GenerationSettings, generate_responses
 
+# How every policy is sampled in the evaluation (and in the gold curves): the rollout settings of the
+# online configs, which must match it so that their KL figures measure the same distributions.
+EVAL_TEMPERATURE = 0.8
+EVAL_MAX_NEW_TOKENS = 24
+
 
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open() as f:
@@ -112,7 +117,6 @@ class GoldAccuracy(Callback):
         pl_module.log("val/gold_accuracy", accuracy, prog_bar=True)
 
 
-@torch.no_grad()
 def sample_policy(
     policy_dir: str | Path,
     prompts: Sequence[str],
@@ -123,58 +127,87 @@ def sample_policy(
     batch_size: int = 256,
     seed: int = 0,
 ) -> list[dict]:
-    """One sampled response per prompt with its gold, grammaticality, proxy score, KL and length."""
-    tokenizer = load_tokenizer(str(policy_dir), padding_side="left")
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
+    """One sampled response per prompt of an exported policy (see :func:`sample_responses`)."""
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir, num_labels=1).eval()
-    generator_state = torch.get_rng_state()
-    torch.manual_seed(seed)
+    return sample_responses(
+        AutoModelForCausalLM.from_pretrained(policy_dir).eval(),
+        AutoModelForCausalLM.from_pretrained(reference_dir).eval(),
+        load_tokenizer(str(policy_dir), padding_side="left"),
+        prompts,
+        generation,
+        reward_model=reward_model,
+        batch_size=batch_size,
+        seed=seed,
+        desc=f"sampling {Path(policy_dir).name}",
+    )
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    generation: GenerationSettings,
+    *,
+    reward_model: torch.nn.Module | None = None,
+    batch_size: int = 256,
+    seed: int = 0,
+    desc: str | None = None,
+) -> list[dict]:
+    """One sampled response per prompt with its gold, grammaticality, proxy score, KL and length.
+
+    Sampling uses its own seeded random stream (the global one is left as it was), so the same policy
+    gives the same responses at every call. Models are used as they are (call ``.eval()`` first); the
+    proxy score is None without a reward model. ``tokenizer`` pads on the left.
+    """
     rows = []
-    for part in tqdm(
-        list(chunked(len(prompts), batch_size)), desc=f"sampling {Path(policy_dir).name}", unit="batch"
-    ):
-        texts = list(prompts[part])
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
-        responses, response_mask, truncated = generate_responses(
-            policy, enc.input_ids, enc.attention_mask, generation,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-        )  # fmt: skip
-        input_ids = torch.cat([enc.input_ids, responses], dim=1)
-        attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
-        T = responses.shape[1]
-        logprobs, _, _ = policy_forward(policy, input_ids, attention_mask, T, generation.temperature)
-        ref_logprobs, _, _ = policy_forward(reference, input_ids, attention_mask, T, generation.temperature)
-        kl = masked_row_sum(logprobs - ref_logprobs, response_mask)  # k1 summed over the response
-        proxy = sequence_scores(reward_model, input_ids, attention_mask)
-        for i, prompt in enumerate(texts):
-            response = tokenizer.decode(responses[i][response_mask[i]], skip_special_tokens=True)
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "response": response,
-                    "gold": world.gold_reward(prompt + response),
-                    "grammatical": world.is_grammatical(prompt + response),
-                    "proxy": proxy[i].item(),
-                    "kl_ref": kl[i].item(),
-                    "length": int(response_mask[i].sum()),
-                    "truncated": bool(truncated[i]),
-                }
-            )
-    torch.set_rng_state(generator_state)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        parts = list(chunked(len(prompts), batch_size))
+        for part in tqdm(parts, desc=desc, unit="batch", disable=desc is None):
+            texts = list(prompts[part])
+            enc = tokenizer(texts, padding=True, return_tensors="pt")
+            responses, response_mask, truncated = generate_responses(
+                policy, enc.input_ids, enc.attention_mask, generation,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+            )  # fmt: skip
+            input_ids = torch.cat([enc.input_ids, responses], dim=1)
+            attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
+            T = responses.shape[1]
+            logprobs, _, _ = policy_forward(policy, input_ids, attention_mask, T, generation.temperature)
+            ref_logprobs, _, _ = policy_forward(reference, input_ids, attention_mask, T, generation.temperature)
+            kl = masked_row_sum(logprobs - ref_logprobs, response_mask)  # k1 summed over the response
+            proxy = None if reward_model is None else sequence_scores(reward_model, input_ids, attention_mask)
+            for i, prompt in enumerate(texts):
+                response = tokenizer.decode(responses[i][response_mask[i]], skip_special_tokens=True)
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "response": response,
+                        "gold": world.gold_reward(prompt + response),
+                        "grammatical": world.is_grammatical(prompt + response),
+                        "proxy": None if proxy is None else proxy[i].item(),
+                        "kl_ref": kl[i].item(),
+                        "length": int(response_mask[i].sum()),
+                        "truncated": bool(truncated[i]),
+                    }
+                )
     return rows
 
 
 def summarize(rows: Sequence[dict]) -> dict:
-    """Means (and standard deviations of gold and proxy) over the sampled responses of one policy."""
+    """Means (and standard deviations of gold and proxy) over the sampled responses of one policy.
+
+    The proxy entries are left out when the rows have no proxy score (sampled without a reward model).
+    """
     gold = [r["gold"] for r in rows]
-    proxy = [r["proxy"] for r in rows]
+    proxy = [r["proxy"] for r in rows if r["proxy"] is not None]
     return {
         "n_prompts": len(rows),
         "gold_mean": statistics.fmean(gold),
         "gold_std": statistics.pstdev(gold),
-        "proxy_mean": statistics.fmean(proxy),
-        "proxy_std": statistics.pstdev(proxy),
+        **({"proxy_mean": statistics.fmean(proxy), "proxy_std": statistics.pstdev(proxy)} if proxy else {}),
         "kl_ref": statistics.fmean(r["kl_ref"] for r in rows),
         "grammatical_rate": statistics.fmean(float(r["grammatical"]) for r in rows),
         "response_length": statistics.fmean(r["length"] for r in rows),

@@ -1,17 +1,24 @@
-"""The offline demo, end to end: assets -> SFT -> reward model -> PPO -> evaluation -> report.
+"""The offline demo, end to end: assets -> SFT -> reward model -> algorithms -> evaluation -> report.
 
-    python -m lit_rlhf.demo.pipeline --out runs/demo [--small] [--no-overoptimize] [--threads N]
+    python -m lit_rlhf.demo.pipeline --out runs/demo [--algorithms ppo,...] [--seeds N|S1,S2,...]
+        [--reuse] [--small] [--no-overoptimize] [--threads N]
 
 1. builds the demo assets into ``OUT/assets`` (skipped when built before with the same settings);
-2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<stage>.yaml``, where each
-   config is ``configs/demo/<stage>.yaml`` with its ``runs/demo/`` paths moved under ``OUT`` (and, with
-   ``--small``, tiny sizes): SFT from scratch; the reward model from the SFT export; PPO with the SFT
-   export as actor and reference and the reward model as proxy reward and critic initialisation
-   (then the weak reward model and the over-optimisation PPO run, see below);
-3. evaluates the SFT and PPO policies on the held-out evaluation prompts and the reward model on the
-   held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`);
+2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<run>.yaml``, where each config is
+   ``configs/demo/<stage>.yaml`` with its ``runs/demo/`` paths moved under ``OUT`` (and, with ``--small``,
+   tiny sizes; see :mod:`lit_rlhf.demo.stages`): SFT from scratch; the reward model from the SFT export;
+   then each algorithm of ``--algorithms`` (registry :data:`ALGORITHMS`) from the SFT policy against the
+   same proxy reward model, once per training seed of ``--seeds``, each in its own process (its peak
+   memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its gold reward on
+   held-out prompts during the fit; then the weak reward model and the over-optimisation PPO run;
+3. evaluates the SFT policy and every trained policy on the held-out evaluation prompts and the reward
+   models on the held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`);
 4. writes ``OUT/report.md``, ``OUT/report.json``, ``OUT/samples.md`` and PNG plots
-   (:mod:`lit_rlhf.demo.report`); TensorBoard logs stay in ``OUT/tb``.
+   (:mod:`lit_rlhf.demo.report`, :mod:`lit_rlhf.demo.compare`); TensorBoard logs stay in ``OUT/tb``.
+
+Adding an algorithm to the side-by-side is writing ``configs/demo/<name>.yaml`` (a fit from
+``runs/demo/sft`` against ``runs/demo/rm``, with an HFExport callback) and one :data:`ALGORITHMS` entry.
+The run of seed 0 is named after the algorithm (``OUT/ppo``, ``tb/ppo``), seed s > 0 ``<name>_seed<s>``.
 
 The reward over-optimisation run (Gao et al. 2022; skipped with ``--no-overoptimize``) adds a weaker
 proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
@@ -25,93 +32,72 @@ import time
 _PROCESS_START = time.perf_counter()  # before the heavy imports below: they are part of the demo's wall time
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
-import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 from lit_rlhf.demo import assets, evaluate, report  # noqa: E402
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
-DEFAULT_ROOT = "runs/demo/"  # the prefix of every path in configs/demo/*.yaml
+from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
+from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
 
 # Asset sizes of the full demo (see assets.build_assets); --small uses assets.SMALL.
 FULL_ASSETS = dict(n_sft=80_000, n_prompts=16_384, n_pref_prompts=4_000, completions_per_prompt=4, n_eval_prompts=1_024)
+CURVE_PROMPTS = 256  # held-out prompts per gold-curve point (the first ones of prompts_eval.jsonl)
 
-_TINY_MODEL = {"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2}
-_TINY_TRAINER = {"max_steps": 4, "val_check_interval": 2, "log_every_n_steps": 1, "enable_model_summary": False}
-# --small: a miniature of every stage (tests), merged into the configs.
-SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
-    "sft": {
-        "trainer": _TINY_TRAINER,
-        "model": {"init_args": {"model": {"config": _TINY_MODEL}, "num_samples": 2}},
-        "data": {"init_args": {"batch_size": 16, "val_batch_size": 16}},
-    },
-    "rm": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
-    "ppo": {
-        "trainer": {"enable_model_summary": False},
-        "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
-        "data": {"init_args": {"batch_size": 8}},
-    },
+
+@dataclass(frozen=True)
+class Algorithm:
+    """How the pipeline runs and reads one algorithm of ``configs/demo/<name>.yaml``.
+
+    Attributes:
+        policy_subdir: folder of the trained policy inside the config's HFExport ``dirpath`` ("" = itself).
+        policy_attribute: attribute of the LightningModule holding the trained policy (for the gold curve).
+        online: samples its training responses; the online algorithms of one run must sample as many
+            (``max_rollouts`` x prompts per rollout x ``generation.num_samples``) at the evaluation's temperature.
+        seed_args: ``model.init_args`` set to the training seed, besides ``seed_everything``.
+        curve_every: training steps between two points of the gold curve.
+        config: name of its config in ``configs/demo`` when it is not the algorithm's name.
+    """
+
+    policy_subdir: str = ""
+    policy_attribute: str = "policy"
+    online: bool = True
+    seed_args: tuple[str, ...] = ()
+    curve_every: int = 4
+    config: str | None = None
+
+
+# One entry per configs/demo/<name>.yaml run side by side. An online algorithm sets `online`, its policy
+# attribute and its seed arguments; an offline one (a DPO fit on the RM's preference pairs) `online=False`
+# and a `curve_every` in its own optimiser steps.
+ALGORITHMS: dict[str, Algorithm] = {
+    "ppo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
 }
-SMALL_OVERRIDES["rm_weak"] = SMALL_OVERRIDES["rm"]
-SMALL_OVERRIDES["ppo_overoptimize"] = SMALL_OVERRIDES["ppo"]
+DEFAULT_ALGORITHMS = ("ppo",)
 
 
-def _merge(base: dict, update: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+def parse_seeds(text: str) -> list[int]:
+    """``"3"`` -> [0, 1, 2] (that many seeds from 0); ``"0,5,7"`` -> those seeds."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()] if "," in text else list(range(int(text)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds: a count or a comma-separated list, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"--seeds: at least one seed, distinct and >= 0, got {text!r}")
+    return seeds
 
 
-def _move_paths(node: Any, out: Path) -> Any:
-    """Every string ``runs/demo/X`` of a config becomes ``OUT/X``."""
-    if isinstance(node, dict):
-        return {k: _move_paths(v, out) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_move_paths(v, out) for v in node]
-    if isinstance(node, str) and node.startswith(DEFAULT_ROOT):
-        return str(out / node[len(DEFAULT_ROOT) :])
-    return node
-
-
-def stage_config(stage: str, out: Path, small: bool) -> Path:
-    """Write ``OUT/configs/<stage>.yaml``: the demo config with its paths under ``out`` (tiny if small)."""
-    config = yaml.safe_load((CONFIG_DIR / f"{stage}.yaml").read_text())
-    config = _move_paths(config, out)
-    for callback in config["trainer"].get("callbacks", []):
-        if callback["class_path"].endswith("HFExport"):  # a rerun of the pipeline replaces its own exports
-            callback["init_args"]["overwrite"] = True
-    if small:
-        config = _merge(config, SMALL_OVERRIDES[stage])
-    path = out / "configs" / f"{stage}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
-def fit(stage: str, out: Path, small: bool) -> dict:
-    """``lit-rlhf fit --config OUT/configs/<stage>.yaml`` in this process; returns its config and log dir."""
-    from lit_rlhf.cli import run_cli
-
-    config_path = stage_config(stage, out, small)
-    config = yaml.safe_load(config_path.read_text())
-    shutil.rmtree(config["trainer"]["logger"]["init_args"]["save_dir"] + f"/{stage}", ignore_errors=True)
-    print(f"\n=== {stage}: lit-rlhf fit --config {config_path}", flush=True)
-    with warnings.catch_warnings():  # the pipeline's own argv is not meant for the CLI: no need to say so
-        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
-        cli = run_cli(["fit", "--config", str(config_path)])
-    return {"config": config, "log_dir": cli.trainer.logger.log_dir}
+def parse_algorithms(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"--algorithms: unknown {unknown or text!r}; registered: {', '.join(ALGORITHMS)}"
+        )
+    return list(dict.fromkeys(names))
 
 
 def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
@@ -129,82 +115,144 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
     return json.loads(manifest_path.read_text())
 
 
-class Clock:
-    """Wall time per stage, in the order run."""
+def algorithm_config(name: str, seed: int, out: Path, small: bool) -> tuple[str, dict]:
+    """Run name and config of algorithm ``name`` with training seed ``seed``, with its gold curve."""
+    algorithm = ALGORITHMS[name]
+    config = load_config(algorithm.config or name, out, small)
+    run = name if seed == 0 else f"{name}_seed{seed}"
+    config["seed_everything"] = seed
+    for arg in algorithm.seed_args:
+        config["model"]["init_args"][arg] = seed
+    config["trainer"]["logger"]["init_args"]["name"] = run
+    callbacks = config["trainer"]["callbacks"]
+    for callback in callbacks:
+        if callback["class_path"].endswith("HFExport"):
+            callback["init_args"]["dirpath"] = str(out / run)
+    curve = {
+        "prompts_path": str(out / "assets" / "prompts_eval.jsonl"),
+        "reference": str(out / "sft"),
+        "output": str(out / "curves" / f"{run}.json"),
+        "every_n_steps": 1 if small else algorithm.curve_every,
+        "num_prompts": assets.SMALL["n_eval_prompts"] if small else CURVE_PROMPTS,
+        "policy_attribute": algorithm.policy_attribute,
+        "max_new_tokens": EVAL_MAX_NEW_TOKENS,
+        "temperature": EVAL_TEMPERATURE,
+    }
+    callbacks.append({"class_path": "lit_rlhf.demo.curves.GoldCurve", "init_args": curve})
+    return run, config
 
-    def __init__(self) -> None:
-        self.stages: dict[str, float] = {}
 
-    def run(self, name: str, fn, *args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        self.stages[name] = time.perf_counter() - start
-        return result
+def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> None:
+    """Online algorithms sample as many responses, at the evaluation's temperature, long enough.
+
+    ``configs`` maps the name of each config in ``configs/demo`` (as the error messages say) to its content.
+    """
+    counts = {}
+    for name, config in configs.items():
+        init = config["model"]["init_args"]
+        generation = init.get("generation", {})
+        where = f"configs/demo/{name}.yaml"
+        if generation.get("max_new_tokens", 0) < max_response_tokens:
+            raise ValueError(
+                f"{where}: generation.max_new_tokens={generation.get('max_new_tokens')} is below the longest"
+                f" grammatical response ({max_response_tokens} tokens with its EOS)"
+            )
+        if generation.get("temperature") != EVAL_TEMPERATURE:
+            raise ValueError(
+                f"{where}: generation.temperature={generation.get('temperature')}: the demo samples and"
+                f" measures KL at {EVAL_TEMPERATURE} (evaluate.EVAL_TEMPERATURE)"
+            )
+        if not init.get("max_rollouts"):
+            raise ValueError(f"{where}: an online algorithm of the demo sets model.init_args.max_rollouts")
+        per_prompt = generation.get("num_samples", 1)
+        counts[name] = init["max_rollouts"] * config["data"]["init_args"]["batch_size"] * per_prompt
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"the online algorithms must sample as many responses; they sample {counts}")
 
 
-def evaluate_policies(out: Path, ppo_configs: dict[str, dict], eval_prompts: list[str], small: bool) -> dict:
-    """Samples and summaries of the SFT policy and of each PPO run's actor, on the evaluation prompts."""
+def run_stages(
+    runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
+    manifest: dict,
+) -> dict[str, list[StageRecord]]:  # fmt: skip
+    """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order)."""
+    salt = json.dumps(manifest["args"], sort_keys=True)
+    runner.fit("sft", load_config("sft", out, small), salt=salt)
+    runner.fit("rm", load_config("rm", out, small), ("sft",))
+    configs = {(name, seed): algorithm_config(name, seed, out, small) for name in algorithms for seed in seeds}
+    online = {
+        ALGORITHMS[name].config or name: config for (name, _), (_, config) in configs.items() if ALGORITHMS[name].online
+    }
+    check_online_configs(online, manifest["max_response_tokens"])
+    runs: dict[str, list[StageRecord]] = {name: [] for name in algorithms}
+    for (name, _), (run, config) in configs.items():
+        runs[name].append(runner.fit(run, config, ("sft", "rm"), subprocess_=True))
+    if overoptimize:
+        runner.fit("rm_weak", load_config("rm_weak", out, small), ("sft",))
+        over = load_config("ppo_overoptimize", out, small)
+        check_online_configs({"ppo_overoptimize": over}, manifest["max_response_tokens"])
+        runner.fit("ppo_overoptimize", over, ("sft", "rm_weak"))
+    return runs
+
+
+def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[StageRecord]], small: bool):
+    """Samples and summaries of every policy on the evaluation prompts; reward-model accuracies."""
     from lit_rlhf.rollout import GenerationSettings
 
+    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
+    generation = GenerationSettings(max_new_tokens=EVAL_MAX_NEW_TOKENS, temperature=EVAL_TEMPERATURE)
+    policies = {"sft": (str(out / "sft"), out / "rm")}
+    for name, records in algorithm_runs.items():
+        for record in records:
+            policy = Path(export_dir(record.config)) / ALGORITHMS[name].policy_subdir
+            policies[record.run] = (str(policy), out / "rm")
+    if "ppo_overoptimize" in runner.records:
+        policies["ppo_overoptimize"] = (str(out / "ppo_overoptimize" / "actor"), out / "rm_weak")
     results = {}
-    for name, config in ppo_configs.items():
-        init = config["model"]["init_args"]
-        generation = GenerationSettings(**init.get("generation", {}))
-        policies = {"ppo": f"{config['trainer']['callbacks'][0]['init_args']['dirpath']}/actor"}
-        if name == "ppo":
-            policies = {"sft": init["actor"]["name_or_path"], **policies}
-        for policy, folder in policies.items():
-            key = policy if name == "ppo" else name
-            rows = evaluate.sample_policy(
-                folder,
-                eval_prompts,
-                generation,
-                reference_dir=init["actor"]["name_or_path"],
-                reward_model_dir=init["reward_model"]["name_or_path"],
-                batch_size=64 if small else 256,
-            )
-            results[key] = {"summary": evaluate.summarize(rows), "rows": rows}
+    for key, (folder, reward_model) in policies.items():
+        rows = evaluate.sample_policy(
+            folder, prompts, generation, reference_dir=out / "sft", reward_model_dir=reward_model,
+            batch_size=64 if small else 256,
+        )  # fmt: skip
+        results[key] = {"summary": evaluate.summarize(rows), "rows": rows}
+    for name in [n for n in ("rm", "rm_weak") if n in runner.records]:
+        results[name] = evaluate.evaluate_reward_model(out / name, out / "assets" / "prefs_val.jsonl")
     return results
 
 
 def run(
-    out: Path, *, small: bool = False, overoptimize: bool = True, seed: int = 0, process_start: float | None = None
+    out: Path,
+    *,
+    small: bool = False,
+    overoptimize: bool = True,
+    seed: int = 0,
+    algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
+    seeds: Sequence[int] = (0,),
+    reuse: bool = False,
+    process_start: float | None = None,
 ) -> dict:
     """The whole demo into ``out``; returns the report dictionary (also written to ``out/report.json``)."""
     out.mkdir(parents=True, exist_ok=True)
-    clock = Clock()
     start = time.perf_counter()
+    wall: dict[str, float] = {}
     if process_start is not None:  # python start-up and imports, when run as a command
-        clock.stages["startup"] = start - process_start
+        wall["startup"] = start - process_start
         start = process_start
-    manifest = clock.run("assets", build_or_reuse_assets, out / "assets", small, seed)
-    runs = {stage: clock.run(stage, fit, stage, out, small) for stage in ("sft", "rm", "ppo")}
-    if overoptimize:
-        runs.update({stage: clock.run(stage, fit, stage, out, small) for stage in ("rm_weak", "ppo_overoptimize")})
-    for name in [n for n in runs if n.startswith("ppo")]:
-        max_new = runs[name]["config"]["model"]["init_args"]["generation"]["max_new_tokens"]
-        if max_new < manifest["max_response_tokens"]:
-            raise ValueError(
-                f"configs/demo/{name}.yaml: generation.max_new_tokens={max_new} is below the longest "
-                f"grammatical response ({manifest['max_response_tokens']} tokens with its EOS)"
-            )
-
-    def evaluate_all() -> dict:
-        prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
-        ppo_configs = {n: r["config"] for n, r in runs.items() if n.startswith("ppo")}
-        results = evaluate_policies(out, ppo_configs, prompts, small)
-        for name in [n for n in runs if n.startswith("rm")]:
-            rm_dir = runs[name]["config"]["trainer"]["callbacks"][0]["init_args"]["dirpath"]
-            results[name] = evaluate.evaluate_reward_model(rm_dir, out / "assets" / "prefs_val.jsonl")
-        return results
-
-    results = clock.run("evaluate", evaluate_all)
+    stage_start = time.perf_counter()
+    manifest = build_or_reuse_assets(out / "assets", small, seed)
+    wall["assets"] = time.perf_counter() - stage_start
+    runner = StageRunner(out, reuse=reuse)
+    algorithm_runs = run_stages(runner, out, small, list(algorithms), list(seeds), overoptimize, manifest)
+    wall.update({run: record.wall_s for run, record in runner.records.items()})
+    stage_start = time.perf_counter()
+    results = evaluate_all(out, runner, algorithm_runs, small)
+    wall["evaluate"] = time.perf_counter() - stage_start
     summary = report.write_report(
         out,
         results=results,
-        runs={name: {"log_dir": r["log_dir"], "config": r["config"]} for name, r in runs.items()},
+        runs=runner.records,
+        algorithm_runs=algorithm_runs,
         manifest=manifest,
-        stage_wall_s=clock.stages,
+        stage_wall_s=wall,
         start_time=start,
     )
     print(report.console_summary(summary), flush=True)
@@ -216,10 +264,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     parser.add_argument("--small", action="store_true", help="a miniature of every stage (tests)")
     parser.add_argument(
+        "--algorithms",
+        type=parse_algorithms,
+        default=list(DEFAULT_ALGORITHMS),
+        help=f"comma-separated algorithms run side by side (registered: {', '.join(ALGORITHMS)};"
+        f" default {','.join(DEFAULT_ALGORITHMS)})",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        default=[0],
+        help="training seeds of every algorithm: a count N (seeds 0..N-1) or a list 0,3,7 (default 1)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="skip fits recorded in OUT/stages.json with the same config and inputs (e.g. SFT and RM)",
+    )
+    parser.add_argument(
         "--overoptimize",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run the weak-RM, weak-KL over-optimisation demo (default: on; ~1.5 of the ~8 minutes)",
+        help="also run the weak-RM, weak-KL over-optimisation demo (default: on)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
@@ -228,7 +294,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     process_start = _PROCESS_START if __name__ == "__main__" else None
     return run(
-        Path(args.out), small=args.small, overoptimize=args.overoptimize, seed=args.seed, process_start=process_start
+        Path(args.out),
+        small=args.small,
+        overoptimize=args.overoptimize,
+        seed=args.seed,
+        algorithms=args.algorithms,
+        seeds=args.seeds,
+        reuse=args.reuse,
+        process_start=process_start,
     )
 
 

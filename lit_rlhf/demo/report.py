@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lit_rlhf.demo import compare
+from lit_rlhf.demo.curves import KL_BUDGET
+from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
+
 MIN_PROMPTS_PER_POINT = 256
 SAMPLES_IN_REPORT = 24
-# The demo's KL budget, nats per response. The adaptive controller of configs/demo/ppo.yaml targets less
-# (kl_target 3.5): it holds the KL around its target, not under it, so the target sits below the budget.
-KL_BUDGET = 4.0
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -106,16 +107,19 @@ def plot_rm_accuracy(scalars_by_run: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _samples_md(results: dict, temperature: float) -> str:
+def _label(name: str) -> str:
+    return name.upper().replace("_", " ")
+
+
+def _samples_md(results: dict, names: list[str], temperature: float) -> str:
     """The first sampled responses of each policy on the same held-out prompts, with their gold rewards."""
-    names = [n for n in ("sft", "ppo", "ppo_overoptimize") if n in results]
     lines = [
         "# Sample responses on held-out prompts",
         "",
         f"One sampled response per prompt (temperature {temperature:g}) of each policy, with its gold reward"
         " (`*` = ungrammatical).",
         "",
-        "| prompt | " + " | ".join(f"{n.upper().replace('_', ' ')} response | gold" for n in names) + " |",
+        "| prompt | " + " | ".join(f"{_label(n)} response | gold" for n in names) + " |",
         "|---|" + "---|---|" * len(names),
     ]
     for i, first in enumerate(results["sft"]["rows"][:SAMPLES_IN_REPORT]):
@@ -127,7 +131,7 @@ def _samples_md(results: dict, temperature: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table(results: dict) -> list[str]:
+def _table(results: dict, names: list[str]) -> list[str]:
     rows = [
         ("gold reward mean", "gold_mean", "{:+.2f}"),
         ("gold reward std", "gold_std", "{:.2f}"),
@@ -137,8 +141,7 @@ def _table(results: dict) -> list[str]:
         ("response length (tokens)", "response_length", "{:.1f}"),
         ("truncated rate", "truncated_rate", "{:.3f}"),
     ]
-    names = [n for n in ("sft", "ppo", "ppo_overoptimize") if n in results]
-    lines = ["| metric | " + " | ".join(n.upper().replace("_", " ") for n in names) + " |"]
+    lines = ["| metric | " + " | ".join(_label(n) for n in names) + " |"]
     lines.append("|---|" + "---|" * len(names))
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(results[n]["summary"][key]) for n in names) + " |")
@@ -146,15 +149,28 @@ def _table(results: dict) -> list[str]:
 
 
 def write_report(
-    out: Path, *, results: dict, runs: dict, manifest: dict, stage_wall_s: dict, start_time: float
+    out: Path,
+    *,
+    results: dict,
+    runs: dict,
+    algorithm_runs: dict[str, list],
+    manifest: dict,
+    stage_wall_s: dict,
+    start_time: float,
 ) -> dict[str, Any]:
-    """Plots, ``samples.md``, ``report.md`` and ``report.json`` in ``out``; returns the report dictionary."""
+    """Plots, ``samples.md``, ``report.md`` and ``report.json`` in ``out``; returns the report dictionary.
+
+    ``runs`` maps each fit's run name to its :class:`~lit_rlhf.demo.stages.StageRecord`, ``algorithm_runs``
+    each algorithm to its records (one per training seed, in seed order). The main table shows the SFT
+    policy, the first seed of each algorithm and the over-optimisation run; the ``ppo_*`` keys are PPO's
+    first seed, ``algorithms`` holds every algorithm's means, spreads and per-seed figures.
+    """
     report_start = time.perf_counter()
-    scalars = {name: read_scalars(run["log_dir"]) for name, run in runs.items()}
+    scalars = {name: read_scalars(run.log_dir) for name, run in runs.items()}
     plots, curves = {}, {}
-    for name in [n for n in runs if n.startswith("ppo")]:
-        init = runs[name]["config"]["model"]["init_args"]
-        per_rollout = runs[name]["config"]["data"]["init_args"]["batch_size"]
+    for name in [n for n in ("ppo", "ppo_overoptimize") if n in runs]:
+        init = runs[name].config["model"]["init_args"]
+        per_rollout = runs[name].config["data"]["init_args"]["batch_size"]
         curves[name] = reward_curves(scalars[name], per_rollout)
         plots[name] = out / f"{name}_reward_vs_kl.png"
         title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
@@ -162,37 +178,54 @@ def write_report(
         plot_reward_vs_kl(curves[name], plots[name], title, init.get("kl_target"), budget)
     plots["rm_accuracy"] = out / "rm_accuracy.png"
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
-    temperature = runs["ppo"]["config"]["model"]["init_args"].get("generation", {}).get("temperature", 1.0)
-    (out / "samples.md").write_text(_samples_md(results, temperature))
+    first_runs = [records[0].run for records in algorithm_runs.values()]
+    shown = ["sft", *first_runs, *[n for n in ("ppo_overoptimize",) if n in results]]
+    (out / "samples.md").write_text(_samples_md(results, shown, EVAL_TEMPERATURE))
 
-    sft, ppo = results["sft"]["summary"], results["ppo"]["summary"]
-    kl_target = runs["ppo"]["config"]["model"]["init_args"].get("kl_target")
+    sft = results["sft"]["summary"]
+    algorithms, gold_curves = {}, {}
+    for name, records in algorithm_runs.items():
+        seeds = []
+        for record in records:
+            points = compare.read_curve(out / "curves" / f"{record.run}.json")
+            seed = record.config["seed_everything"]
+            seeds.append(compare.seed_figures(record.run, seed, results[record.run]["summary"], sft, points, record))
+            gold_curves.setdefault(name, []).append(points)
+        algorithms[name] = compare.aggregate(seeds)
+    plots["algorithms_gold"] = out / "algorithms_gold.png"
+    compare.plot_gold_curves(gold_curves, plots["algorithms_gold"])
     wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
     summary: dict[str, Any] = {
         "rm_val_accuracy": results["rm"]["gold_accuracy"],
         "rm_val_label_accuracy": results["rm"]["label_accuracy"],
         "rm_val_pairs": results["rm"]["n_gold_ordered_pairs"],
         **{f"sft_{k}": v for k, v in sft.items()},
-        **{f"ppo_{k}": v for k, v in ppo.items()},
-        "gold_lift_sft_std": (ppo["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None,
-        "ppo_kl_target": kl_target,
-        "ppo_kl_budget": KL_BUDGET,
-        "ppo_within_kl_budget": ppo["kl_ref"] <= KL_BUDGET,
-        "max_new_tokens": runs["ppo"]["config"]["model"]["init_args"]["generation"]["max_new_tokens"],
+        "kl_budget": KL_BUDGET,
+        "algorithms": algorithms,
+        "n_seeds": len(next(iter(algorithm_runs.values()))),
         "max_response_tokens": manifest["max_response_tokens"],
         "wall_s": time.perf_counter() - start_time,
         "wall_s_per_stage": wall,
+        "reused_stages": [name for name, run in runs.items() if run.reused],
         "plots": {k: str(v) for k, v in plots.items()},
-        "tensorboard": {name: str(run["log_dir"]) for name, run in runs.items()},
+        "tensorboard": {name: str(run.log_dir) for name, run in runs.items()},
         "curves": curves,
         "assets": manifest["args"],
     }
+    if "ppo" in runs:
+        ppo, ppo_init = results["ppo"]["summary"], runs["ppo"].config["model"]["init_args"]
+        summary.update({f"ppo_{k}": v for k, v in ppo.items()})
+        summary["gold_lift_sft_std"] = algorithms["ppo"]["seeds"][0]["gold_lift_sft_std"]
+        summary["ppo_kl_target"] = ppo_init.get("kl_target")
+        summary["ppo_kl_budget"] = KL_BUDGET
+        summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
+        summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]
     if "ppo_overoptimize" in results:
         over = results["ppo_overoptimize"]["summary"]
         summary.update({f"overoptimize_{k}": v for k, v in over.items()})
         summary["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "report.md").write_text(_report_md(summary, results))
+    (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
 
 
@@ -200,32 +233,40 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _report_md(summary: dict, results: dict) -> str:
-    wall = summary["wall_s_per_stage"]
+def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
+    wall, n_seeds = summary["wall_s_per_stage"], summary["n_seeds"]
     lines = [
-        "# lit_rlhf demo: SFT -> reward model -> PPO",
+        "# lit_rlhf demo: SFT -> reward model -> " + ", ".join(_label(n) for n in summary["algorithms"]),
         "",
-        f"Policies evaluated on {summary['ppo_n_prompts']} held-out prompts, one sampled response each.",
+        f"Policies evaluated on {summary['sft_n_prompts']} held-out prompts, one sampled response each"
+        + (" (first training seed of each algorithm)." if n_seeds > 1 else "."),
         "",
-        *_table(results),
+        *_table(results, shown),
         "",
-        f"- Gold lift of PPO over SFT: {_fmt(summary['gold_lift_sft_std'], '+.2f')} SFT standard deviations.",
-        f"- KL to the reference: {summary['ppo_kl_ref']:.2f} nats per response, budget {KL_BUDGET:g}"
-        f" ({'within' if summary['ppo_within_kl_budget'] else 'OVER'} budget; the adaptive KL controller"
-        f" targets {summary['ppo_kl_target']}).",
+    ]
+    if "ppo_gold_mean" in summary:
+        lines += [
+            f"- Gold lift of PPO over SFT: {_fmt(summary['gold_lift_sft_std'], '+.2f')} SFT standard deviations.",
+            f"- KL to the reference: {summary['ppo_kl_ref']:.2f} nats per response, budget {KL_BUDGET:g}"
+            f" ({'within' if summary['ppo_within_kl_budget'] else 'OVER'} budget; the adaptive KL controller"
+            f" targets {summary['ppo_kl_target']}).",
+        ]
+    lines += [
         f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
         f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
         f" {summary['rm_val_label_accuracy']:.3f}).",
-        f"- max_new_tokens {summary['max_new_tokens']} >= longest grammatical response"
-        f" ({summary['max_response_tokens']} tokens with EOS).",
+        f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
+        " pipeline checks every online config's max_new_tokens against it).",
     ]
     if "rm_weak_val_accuracy" in summary:
         lines.append(
             f"- Over-optimisation run: weak proxy RM accuracy {summary['rm_weak_val_accuracy']:.3f};"
             f" final gold {summary['overoptimize_gold_mean']:+.2f}, KL {summary['overoptimize_kl_ref']:.2f}."
         )
+    lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
     lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
-    lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in wall.items()]
+    reused = set(summary["reused_stages"])
+    lines += [f"| {stage} | {seconds:.1f}{' (reused)' if stage in reused else ''} |" for stage, seconds in wall.items()]
     lines += [f"| **total** | **{summary['wall_s']:.1f}** |", "", "## Plots", ""]
     lines += [f"![{name}]({Path(p).name})" for name, p in summary["plots"].items()]
     lines += ["", "Samples: [samples.md](samples.md). TensorBoard: `tensorboard --logdir tb`.", ""]
@@ -240,15 +281,16 @@ def console_summary(summary: dict) -> str:
         "=" * 78,
         "lit_rlhf demo summary",
         f"  RM held-out accuracy vs gold   {summary['rm_val_accuracy']:.3f}",
-        f"  gold reward   SFT {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f}"
-        f"   PPO {summary['ppo_gold_mean']:+.2f} +- {summary['ppo_gold_std']:.2f}"
-        f"   (lift {_fmt(summary['gold_lift_sft_std'], '+.2f')} SFT std)",
-        f"  proxy score   SFT {summary['sft_proxy_mean']:+.2f}   PPO {summary['ppo_proxy_mean']:+.2f}",
-        f"  KL to ref     PPO {summary['ppo_kl_ref']:.2f} nats (budget {KL_BUDGET:g},"
-        f" controller target {summary['ppo_kl_target']})",
-        f"  grammatical   SFT {summary['sft_grammatical_rate']:.3f}   PPO {summary['ppo_grammatical_rate']:.3f}",
-        f"  length        SFT {summary['sft_response_length']:.1f}   PPO {summary['ppo_response_length']:.1f} tokens",
+        f"  SFT gold {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f},"
+        f" grammatical {summary['sft_grammatical_rate']:.3f}",
     ]
+    for name, entry in summary["algorithms"].items():
+        ttt = entry["time_to_target_s"]
+        lines.append(
+            f"  {name:<14} gold {entry['gold_mean']:+.2f} (lift {_fmt(entry['gold_lift_sft_std'], '+.2f')} SFT std)"
+            f"  KL {entry['kl_ref']:.2f}  grammatical {entry['grammatical_rate']:.3f}"
+            f"  to target {_fmt(ttt, '.0f')} s  on target {entry['seeds_meeting_target']}/{entry['n_seeds']} seeds"
+        )
     if "rm_weak_val_accuracy" in summary:
         lines.append(
             f"  over-optimisation: weak RM acc {summary['rm_weak_val_accuracy']:.3f}, final gold"

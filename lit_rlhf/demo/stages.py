@@ -1,0 +1,188 @@
+"""The demo's fit stages: their configs under ``OUT``, running them (in this process or in a child process
+whose peak memory is measured), and reusing a stage already run with the same config and inputs.
+
+A stage's config is ``configs/demo/<config>.yaml`` with every ``runs/demo/`` path moved under ``OUT``
+(and, with ``--small``, tiny sizes merged in), written to ``OUT/configs/<run>.yaml``. Every finished
+stage is recorded in ``OUT/stages.json`` with a key: the hash of its config text and of the keys of the
+stages whose outputs it reads. ``--reuse`` skips a stage whose key is recorded and whose export folder is
+there (it trusts that the code did not change in between).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
+DEFAULT_ROOT = "runs/demo/"  # the prefix of every path in configs/demo/*.yaml
+
+_TINY_MODEL = {"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2}
+_TINY_TRAINER = {"max_steps": 4, "val_check_interval": 2, "log_every_n_steps": 1, "enable_model_summary": False}
+_TINY_PPO = {
+    "trainer": {"enable_model_summary": False},
+    "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
+    "data": {"init_args": {"batch_size": 8}},
+}
+# --small: a miniature of every stage (tests), merged into the configs. An algorithm without an entry
+# here runs its own config unchanged under --small.
+SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
+    "sft": {
+        "trainer": _TINY_TRAINER,
+        "model": {"init_args": {"model": {"config": _TINY_MODEL}, "num_samples": 2}},
+        "data": {"init_args": {"batch_size": 16, "val_batch_size": 16}},
+    },
+    "rm": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
+    "rm_weak": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
+    "ppo": _TINY_PPO,
+    "ppo_overoptimize": _TINY_PPO,
+}
+
+
+def merge(base: dict, update: dict) -> dict:
+    """``base`` with ``update`` merged in recursively (dicts merge, anything else replaces); no mutation."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def move_paths(node: Any, out: Path) -> Any:
+    """Every string ``runs/demo/X`` of a config becomes ``OUT/X``."""
+    if isinstance(node, dict):
+        return {k: move_paths(v, out) for k, v in node.items()}
+    if isinstance(node, list):
+        return [move_paths(v, out) for v in node]
+    if isinstance(node, str) and node.startswith(DEFAULT_ROOT):
+        return str(out / node[len(DEFAULT_ROOT) :])
+    return node
+
+
+def load_config(name: str, out: Path, small: bool) -> dict:
+    """``configs/demo/<name>.yaml`` with its paths under ``out`` (and tiny sizes if ``small``)."""
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"demo stage {name!r}: no config {path}")
+    config = move_paths(yaml.safe_load(path.read_text()), out)
+    for callback in config["trainer"].get("callbacks", []):
+        if callback["class_path"].endswith("HFExport"):  # a rerun of the pipeline replaces its own exports
+            callback["init_args"]["overwrite"] = True
+    return merge(config, SMALL_OVERRIDES.get(name, {})) if small else config
+
+
+def write_config(config: dict, out: Path, run: str) -> Path:
+    path = out / "configs" / f"{run}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def export_dir(config: dict) -> str:
+    """The ``dirpath`` of the config's HFExport callback (where the stage's models are written)."""
+    for callback in config["trainer"].get("callbacks", []):
+        if callback["class_path"].endswith("HFExport"):
+            return callback["init_args"]["dirpath"]
+    raise ValueError("a demo stage config needs a lit_rlhf.callbacks.HFExport callback")
+
+
+@dataclass
+class StageRecord:
+    """What the report needs of a finished stage (also what ``stages.json`` keeps for ``--reuse``)."""
+
+    run: str
+    key: str
+    config: dict
+    log_dir: str
+    wall_s: float
+    peak_rss_mb: float | None = None
+    reused: bool = False
+
+
+class StageRunner:
+    """Runs the fits of one demo output folder; see the module docstring for ``reuse``.
+
+    Args:
+        out: the demo's output folder.
+        reuse: skip stages recorded in ``OUT/stages.json`` with the same key and an existing export.
+    """
+
+    def __init__(self, out: Path, reuse: bool = False) -> None:
+        self.out, self.reuse = out, reuse
+        self.book = out / "stages.json"
+        self.recorded: dict[str, dict] = json.loads(self.book.read_text()) if self.book.exists() else {}
+        self.records: dict[str, StageRecord] = {}
+
+    def key(self, config: dict, inputs: tuple[str, ...], salt: str = "") -> str:
+        """Hash of the config text and of the keys of the ``inputs`` stages (and ``salt``)."""
+        text = yaml.safe_dump(config, sort_keys=True) + salt
+        text += "".join(self.records[name].key for name in inputs)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def fit(
+        self, run: str, config: dict, inputs: tuple[str, ...] = (), *, subprocess_: bool = False, salt: str = ""
+    ) -> StageRecord:
+        """Fit ``config`` as stage ``run`` (reused if allowed), in a child process if ``subprocess_``."""
+        key = self.key(config, inputs, salt)
+        previous = self.recorded.get(run)
+        if self.reuse and previous and previous["key"] == key and Path(export_dir(config)).exists():
+            print(f"\n=== {run}: reusing the run recorded in {self.book}", flush=True)
+            record = StageRecord(**{**previous, "reused": True})
+        else:
+            path = write_config(config, self.out, run)
+            logger = config["trainer"]["logger"]["init_args"]
+            log_dir = str(Path(logger["save_dir"]) / logger["name"])
+            shutil.rmtree(log_dir, ignore_errors=True)
+            print(f"\n=== {run}: lit-rlhf fit --config {path}", flush=True)
+            start = time.perf_counter()
+            peak_rss_mb = fit_in_child(path) if subprocess_ else fit_here(path)
+            record = StageRecord(run, key, config, log_dir, time.perf_counter() - start, peak_rss_mb)
+        self.records[run] = record
+        self.recorded[run] = {k: v for k, v in record.__dict__.items() if k != "reused"}
+        self.book.write_text(json.dumps(self.recorded, indent=1) + "\n")
+        return record
+
+
+def fit_here(config_path: Path) -> None:
+    """``lit-rlhf fit --config config_path`` in this process (no peak-memory figure: it is shared)."""
+    from lit_rlhf.cli import run_cli
+
+    with warnings.catch_warnings():  # the pipeline's own argv is not meant for the CLI: no need to say so
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
+        run_cli(["fit", "--config", str(config_path)])
+
+
+def fit_in_child(config_path: Path) -> float:
+    """``lit-rlhf fit --config config_path`` in a child Python process; returns its peak RSS in MB.
+
+    The child imports the same ``lit_rlhf`` as this process and uses as many torch threads. Its peak
+    resident set (``ru_maxrss`` of that child alone, from ``os.wait4``) includes its imports.
+    A failed fit raises ``RuntimeError`` with the command.
+    """
+    import torch
+
+    import lit_rlhf
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    root = str(Path(lit_rlhf.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    command = [sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(config_path)]
+    child = subprocess.Popen(command, env=env)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    if child.returncode != 0:
+        raise RuntimeError(f"demo stage failed (exit {child.returncode}): {' '.join(command)}")
+    return usage.ru_maxrss / 1024  # KiB on Linux
