@@ -21,3 +21,13 @@ def nan_in_second_rollout(prompts: list[str], responses: list[str]) -> list[floa
     if CALLS["nan_in_second_rollout"] == 2:
         scores[1] = float("nan")
     return scores
+
+
+def as_strings(prompts: list[str], responses: list[str]) -> list[str]:
+    """A broken reward function: strings instead of numbers."""
+    return [str(len(response)) for response in responses]
+
+
+def with_none(prompts: list[str], responses: list[str]) -> list[float | None]:
+    """A broken reward function: None for every response but the first."""
+    return [1.0] + [None] * (len(responses) - 1)

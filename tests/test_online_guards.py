@@ -145,3 +145,13 @@ def test_end_of_run_resume_never_exceeds_max_rollouts_and_a_larger_limit_continu
     assert larger.rollouts_done == 4
     scheduler = resumed.lr_scheduler_configs[0].scheduler
     assert scheduler.total_steps == 4 and scheduler.last_epoch == 4
+
+
+def test_cli_fit_with_a_nonfinite_score_exits_nonzero_naming_rollout_source_and_prompt(tokenizer_dir, prompt_file, tmp_path):
+    from test_cli_reliability import ppo_fit
+
+    proc = ppo_fit(tokenizer_dir, prompt_file, tmp_path, f"--model.init_args.reward_fn={NAN_FN}")
+    assert proc.returncode != 0
+    assert f"NonFiniteError: rollout 2: reward_fn {NAN_FN} returned non-finite scores" in proc.stderr
+    assert "first: row 1, score nan, prompt '" in proc.stderr and "response '" in proc.stderr
+    assert not list(tmp_path.rglob("model.safetensors")), "nothing exported"
