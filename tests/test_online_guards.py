@@ -12,8 +12,8 @@ from conftest import gpt2_config
 from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
 from ppo_rewards import CALLS
 
+from lit_rlhf import functional as F
 from lit_rlhf.guards import NonFiniteError, check_finite_weights
-from lit_rlhf.modules.online import impute_dropped
 from lit_rlhf.modules.optim import WarmupCosineLR
 
 NAN_FN = "ppo_rewards:nan_in_second_rollout"
@@ -65,11 +65,9 @@ def test_nonfinite_score_dropped_counted_and_weights_stay_finite(kind, tokenizer
 
 
 def test_dropped_rows_are_imputed_by_their_group_so_group_estimators_stay_finite():
-    from lit_rlhf import functional as F
-
     scores = torch.tensor([1.0, float("nan"), 3.0, 5.0, float("inf"), float("nan"), 2.0, 2.0])
     keep = torch.isfinite(scores)
-    filled = impute_dropped(scores, keep, group_size=4)
+    filled = F.fill_dropped_scores(scores, keep, group_size=4)
     # group 1: kept mean (1 + 3 + 5) / 3 = 3; group 2: kept mean 2
     assert filled.tolist() == [1.0, 3.0, 3.0, 5.0, 2.0, 2.0, 2.0, 2.0]
     grpo = F.grpo_advantages(filled, 4)
@@ -78,7 +76,7 @@ def test_dropped_rows_are_imputed_by_their_group_so_group_estimators_stay_finite
     assert grpo[1] == 0 and grpo[4:].eq(0).all(), "the filled row sits at its group mean"
     # a group with no kept row takes the mean of every kept row
     all_bad = torch.tensor([float("nan")] * 2 + [1.0, 3.0])
-    assert impute_dropped(all_bad, torch.isfinite(all_bad), 2).tolist() == [2.0, 2.0, 1.0, 3.0]
+    assert F.fill_dropped_scores(all_bad, torch.isfinite(all_bad), 2).tolist() == [2.0, 2.0, 1.0, 3.0]
 
 
 def test_dropped_rows_carry_no_policy_or_value_gradient(tokenizer_dir):

@@ -237,7 +237,7 @@ class OnlineRLModule(OnlineBookkeeping):
         chunk = self.hparams.forward_batch_size
         scores = self.rewards.score(input_ids, attention_mask, T, chunk)  # (B,)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
-        scores = self.adjust_scores(impute_dropped(scores, keep, self.num_samples), truncated)  # (B,)
+        scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
         if self.monitor is not None:
             monitor = self.monitor.score(input_ids, attention_mask, T, chunk)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False)
@@ -410,18 +410,3 @@ def check_finite_floats(name: str, args: dict) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name}: {key} must be a finite number, got {value}")
 
-
-def impute_dropped(scores: torch.Tensor, keep: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) scores with each dropped row (``keep`` False) replaced by the mean of its group's kept scores.
-
-    A group (``group_size`` contiguous rows) with no kept row takes the mean of all kept rows. The
-    replacement only keeps group statistics finite and unshifted; the dropped rows get no gradient.
-    """
-    if bool(keep.all()):
-        return scores
-    kept = torch.where(keep, scores, 0.0)  # (B,)
-    fallback = kept.sum() / keep.sum().clamp(min=1)  # ()
-    group_sums = kept.view(-1, group_size).sum(dim=1)  # (G,)
-    group_counts = keep.view(-1, group_size).sum(dim=1)  # (G,)
-    group_means = torch.where(group_counts > 0, group_sums / group_counts.clamp(min=1), fallback)  # (G,)
-    return torch.where(keep, scores, group_means.repeat_interleave(group_size))  # (B,)
