@@ -48,6 +48,7 @@ def screen_scores(
     source: str,
     prompts: Sequence[str],
     responses: Sequence[str],
+    allow_empty: bool = False,
 ) -> torch.Tensor:
     """Check one rollout's scores; return the (B,) bool mask of rows to keep.
 
@@ -55,7 +56,8 @@ def screen_scores(
         scores: (B,) scores of the rollout's B responses (or (B, ...) per-row values).
         policy: "raise": any non-finite row raises :class:`NonFiniteError`; "drop": those rows are False
             in the returned mask (the caller drops them and counts ``(~keep).sum()``). Dropping every row
-            raises as well: nothing would be left to learn from.
+            raises as well: nothing would be left to learn from (unless ``allow_empty``: other
+            data-parallel ranks still hold kept rows).
         rollout: rollout number, for the message.
         source: what produced the scores (e.g. ``"reward_fn tests.rewards.length"`` or
             ``"reward model /models/rm"``), for the message.
@@ -67,7 +69,7 @@ def screen_scores(
     if not bad.any():
         return ~bad
     rows = bad.nonzero().flatten().tolist()
-    if policy == "drop" and len(rows) < len(bad):
+    if policy == "drop" and (allow_empty or len(rows) < len(bad)):
         return ~bad
     first = rows[0]
     value = scores[first].flatten()[~torch.isfinite(scores[first].flatten())][0].item()

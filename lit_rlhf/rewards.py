@@ -5,31 +5,14 @@ Used by every online-RL module, for the optimised reward and for the monitor rew
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lit_rlhf.models import build_score_model, chunked, frozen_copy, load_tokenizer, reward_model_scores
+from lit_rlhf.reward_fns import RewardFn, import_reward_fn, reward_scores
 
 __all__ = ["RewardFn", "RewardSource", "import_reward_fn"]
-
-RewardFn = Callable[[list[str], list[str]], list[float]]
-
-
-def import_reward_fn(path: str) -> RewardFn:
-    """Import ``package.module:function``, a callable (prompts, responses) -> list of float scores."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward_fn must look like 'package.module:function', got {path!r}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward_fn {path!r} could not be imported: {err}") from err
-    if not callable(fn):
-        raise ValueError(f"reward_fn {path!r} is not callable")
-    return fn
 
 
 class RewardSource(torch.nn.Module):
@@ -42,12 +25,18 @@ class RewardSource(torch.nn.Module):
         reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), or None.
         reward_fn: ``package.module:function`` (prompts, responses) -> scores, or None.
         tokenizer: the actor's tokenizer.
+        argument: the config argument that named the scorer (``reward_fn``, ``monitor_reward_fn``), for
+            error messages.
     """
 
-    def __init__(self, reward_model: Any, reward_fn: str | None, tokenizer: Any) -> None:
+    def __init__(
+        self, reward_model: Any, reward_fn: str | None, tokenizer: Any, argument: str = "reward_fn"
+    ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
-        self.fn = import_reward_fn(reward_fn) if reward_fn is not None else None
+        self.fn = import_reward_fn(reward_fn, argument) if reward_fn is not None else None
+        model_name = getattr(reward_model, "name_or_path", None) or "(from config)"
+        self.description = f"{argument} {reward_fn}" if reward_fn is not None else f"reward_model {model_name}"
         self.model = None
         self.model_tokenizer = None
         if reward_model is not None:
@@ -73,10 +62,7 @@ class RewardSource(torch.nn.Module):
                 input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
             )
         if self.fn is not None:
-            scores = self.fn(prompts, responses)
-            if len(scores) != len(prompts):
-                raise ValueError(f"reward_fn returned {len(scores)} scores for {len(prompts)} responses")
-            return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=input_ids.device)
+            return reward_scores(self.description, self.fn(prompts, responses), len(prompts), input_ids.device)
         if self.model_tokenizer is not None:
             texts = [p + r + self.model_tokenizer.eos_token for p, r in zip(prompts, responses)]
             enc = self.model_tokenizer(texts, return_tensors="pt", padding=True).to(input_ids.device)

@@ -9,3 +9,25 @@ def the_count(prompts: list[str], responses: list[str]) -> list[float]:
 def e_rate(prompts: list[str], responses: list[str]) -> list[float]:
     """Fraction of the response's characters that are 'e' (dense: many tokens contain one)."""
     return [response.count("e") / max(len(response), 1) for response in responses]
+
+
+CALLS = {"nan_in_second_rollout": 0}
+
+
+def nan_in_second_rollout(prompts: list[str], responses: list[str]) -> list[float]:
+    """``the_count``, except that the second call (the second rollout) scores row 1 as NaN."""
+    CALLS["nan_in_second_rollout"] += 1
+    scores = the_count(prompts, responses)
+    if CALLS["nan_in_second_rollout"] == 2:
+        scores[1] = float("nan")
+    return scores
+
+
+def as_strings(prompts: list[str], responses: list[str]) -> list[str]:
+    """A broken reward function: strings instead of numbers."""
+    return [str(len(response)) for response in responses]
+
+
+def with_none(prompts: list[str], responses: list[str]) -> list[float | None]:
+    """A broken reward function: None for every response but the first."""
+    return [1.0] + [None] * (len(responses) - 1)

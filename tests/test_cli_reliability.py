@@ -180,7 +180,7 @@ def test_ppo_sigterm_saves_the_last_finished_rollout_and_resume_reproduces_the_r
     proc = ppo_fit(tokenizer_dir, prompt_file, part, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=2")
     assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
     saved = torch.load(part / "runs/ppo_tiny/checkpoints/last-sigterm.ckpt", weights_only=False)
-    assert saved["ppo_state"]["rollouts_done"] == 2, "rollout 2 (in progress at SIGTERM) is finished and saved"
+    assert saved["online_state"]["rollouts_done"] == 2, "rollout 2 (in progress at SIGTERM) is finished and saved"
     resumed = ppo_fit(tokenizer_dir, prompt_file, part, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = scalars(tmp_path / "full/runs/ppo_tiny"), scalars(part / "runs/ppo_tiny")

@@ -23,6 +23,10 @@ from lit_rlhf.rewards import RewardSource, import_reward_fn
             "share_critic_backbone",
         ),
         ({"max_rollouts": 0}, "max_rollouts must be >= 1"),
+        ({"clip_coef": float("nan")}, "PPOModule: clip_coef must be a finite number, got nan"),
+        ({"vf_coef": float("inf")}, "PPOModule: vf_coef must be a finite number"),
+        ({"clip_coef_value": 0.0}, "PPOModule: clip_coef_value must be > 0"),
+        ({"on_nonfinite": "ignore"}, "on_nonfinite must be 'raise' or 'drop'"),
     ],
 )
 def test_invalid_arguments_fail_early_with_a_named_argument(tokenizer_dir, overrides, message):
@@ -33,8 +37,32 @@ def test_invalid_arguments_fail_early_with_a_named_argument(tokenizer_dir, overr
 def test_reward_fn_path_errors_name_the_path():
     with pytest.raises(ValueError, match="package.module:function"):
         import_reward_fn("no_colon_here")
-    with pytest.raises(ValueError, match="could not be imported"):
+    with pytest.raises(ValueError, match="has no attribute 'does_not_exist'"):
         import_reward_fn("ppo_rewards:does_not_exist")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"clip_coef": float("nan")}, {"kl_coef": float("inf")}, {"on_nonfinite": "skip"}],
+)
+def test_critic_free_refuses_nonfinite_floats_and_unknown_policies(tokenizer_dir, overrides):
+    from ppo_helpers import tiny_critic_free
+
+    name = next(iter(overrides))
+    with pytest.raises(ValueError, match=f"CriticFreeModule: {name} must"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), **overrides)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [("as_strings", "returned a str at position 0"), ("with_none", "returned a NoneType at position 1")],
+)
+def test_reward_source_names_the_function_and_the_bad_value(tokenizer_dir, fn, message):
+    tok = load_tokenizer(tokenizer_dir, padding_side="left")
+    source = RewardSource(None, f"ppo_rewards:{fn}", tok, "monitor_reward_fn")
+    ids = torch.tensor(tok(["ab", "cd"])["input_ids"])
+    with pytest.raises(TypeError, match=f"monitor_reward_fn ppo_rewards:{fn} {message}"):
+        source.score(ids, torch.ones_like(ids), 1, 4)
 
 
 def test_missing_eos_penalty_then_score_clip(tokenizer_dir):

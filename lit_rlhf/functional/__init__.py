@@ -4,7 +4,13 @@ Shapes: B batch, T response length, V vocabulary. Masks are 1/True for real toke
 everything computed from them are float32. See DESIGN.md "functional/ — the public math API".
 """
 
-from lit_rlhf.functional.advantages import compute_gae, discounted_returns, grpo_advantages, rloo_advantages
+from lit_rlhf.functional.advantages import (
+    compute_gae,
+    discounted_returns,
+    fill_dropped_scores,
+    grpo_advantages,
+    rloo_advantages,
+)
 from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
 from lit_rlhf.functional.kl_controllers import (
     AdaptiveKLController,
@@ -53,6 +59,7 @@ __all__ = [
     "as_groups",
     "clipped_value_loss",
     "compute_gae",
+    "fill_dropped_scores",
     "discounted_returns",
     "grpo_advantages",
     "group_score_stats",

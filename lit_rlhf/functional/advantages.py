@@ -155,3 +155,27 @@ def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma
     values = torch.zeros_like(as_float(rewards))  # (B, T)
     returns, _ = compute_gae(rewards, values, response_mask, gamma, gae_lambda=1.0)  # (B, T)
     return returns
+
+
+def fill_dropped_scores(scores: torch.Tensor, keep: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each dropped score (``keep`` False, e.g. a NaN) replaced by the mean of its group's kept scores.
+
+    The group mean of the kept rows is unchanged and every group statistic (the baselines of
+    ``grpo_advantages``, ``rloo_advantages``) stays finite; a group with no kept row takes the mean of all
+    kept rows. The caller gives the dropped rows no gradient (their values only keep statistics finite).
+
+    Args:
+        scores: (B,) sequence scores, B = G * K, each prompt's K = ``group_size`` responses contiguous
+            (``group_size`` 1: no groups, the mean of all kept rows).
+        keep: (B,) bool, False for the rows to drop.
+        group_size: K >= 1.
+
+    Returns:
+        (B,) scores, equal to ``scores`` on kept rows.
+    """
+    kept = torch.where(keep, scores, 0.0)  # (B,)
+    fallback = kept.sum() / keep.sum().clamp(min=1)  # ()
+    group_sums = as_groups(kept, group_size, "fill_dropped_scores").sum(dim=1)  # (G,)
+    group_counts = keep.view(-1, group_size).sum(dim=1)  # (G,)
+    group_means = torch.where(group_counts > 0, group_sums / group_counts.clamp(min=1), fallback)  # (G,)
+    return torch.where(keep, scores, group_means.repeat_interleave(group_size))  # (B,)

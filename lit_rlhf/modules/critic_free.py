@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.models import ModelSpec, policy_forward
-from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
 from lit_rlhf.modules.optim import AdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
@@ -32,7 +32,7 @@ ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 POLICY_METRICS = (
     "policy_loss", "kl_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "ratio_mean", "ratio_max",
-    "skipped_minibatches", "advantages_mean", "advantages_std",
+    "skipped_minibatches", "nonfinite_steps", "advantages_mean", "advantages_std",
 )  # fmt: skip
 
 
@@ -89,6 +89,10 @@ class CriticFreeModule(OnlineRLModule):
         log_samples_every: log a prompt/response/score table every this many rollouts (0 = never).
         num_log_samples: rows of that table.
         rng_seed: seed of the model initialisations and the minibatch shuffling.
+        on_nonfinite: what a NaN/inf score of the reward model or function does: ``raise`` (default:
+            the fit stops, naming the rollout, the scorer and the prompt/response, before anything is
+            learnt from it) or ``drop`` (those rows get no gradient and are counted in
+            ``rollout/nonfinite_scores``). Non-finite losses or gradients are always skipped.
         actor_optimizer: optimiser factory of the actor.
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
@@ -127,6 +131,7 @@ class CriticFreeModule(OnlineRLModule):
         log_samples_every: int = 10,
         num_log_samples: int = 4,
         rng_seed: int = 0,
+        on_nonfinite: Literal["raise", "drop"] = "raise",
         actor_optimizer: OptimizerCallable = AdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -139,6 +144,7 @@ class CriticFreeModule(OnlineRLModule):
             num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
             log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            on_nonfinite=on_nonfinite,
             metric_prefix="policy", update_metrics=POLICY_METRICS,
         )  # fmt: skip
         self.save_plain_hyperparameters(ignore=["actor_optimizer", "actor_scheduler"])
@@ -155,7 +161,7 @@ class CriticFreeModule(OnlineRLModule):
         # 2. Score without gradients: old/ref log-probs and sequence scores.
         T = responses.shape[1]
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(input_ids, attention_mask, T)
-        scores = self.score_responses(input_ids, attention_mask, T, truncated)
+        scores, keep = self.score_responses(input_ids, attention_mask, T, truncated)
         # 3. Advantages of the chosen estimator, per token.
         advantages, kl = self.estimate_advantages(scores, old_logprobs, ref_logprobs, response_mask)
         sequence_kl = F.masked_row_sum(kl, response_mask)
@@ -167,7 +173,7 @@ class CriticFreeModule(OnlineRLModule):
             old_values=None, rewards=None, advantages=advantages, returns=None, scores=scores,
         )  # fmt: skip
         # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches.
-        self.buffer.put(rollout)
+        self.buffer.put(self.drop_rows(rollout, keep))
         self.update_policy()
         self.buffer.clear()
         # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
@@ -259,6 +265,7 @@ class CriticFreeModule(OnlineRLModule):
 def check_critic_free_args(args: dict) -> None:
     """Check CriticFreeModule's own arguments early, with messages naming the argument."""
     name, estimator = "CriticFreeModule", args["advantage_estimator"]
+    check_finite_floats(name, args)
     if estimator == "gae":
         raise ValueError(
             f"{name}: advantage_estimator='gae' needs a critic; use lit_rlhf.modules.PPOModule for GAE"

@@ -10,14 +10,17 @@ checkpoint state of an exact resume and the Hugging Face export. A subclass writ
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
+from functools import partial
 
 import torch
 from typing_extensions import override
 
 from lit_rlhf import functional as F
+from lit_rlhf.guards import NonFiniteError, NonFinitePolicy, StepGuard, check_finite_weights, screen_scores
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
@@ -37,7 +40,7 @@ from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
-    "group_score_std", "group_all_equal_frac",
+    "group_score_std", "group_all_equal_frac", "nonfinite_scores",
 )  # fmt: skip
 LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -53,7 +56,7 @@ class OnlineRLModule(OnlineBookkeeping):
     Args:
         actor, reward_model, reward_fn, monitor_reward_fn, reference, generation, forward_batch_size,
         num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
-        log_samples_every, num_log_samples, rng_seed: as documented by the subclass.
+        log_samples_every, num_log_samples, rng_seed, on_nonfinite: as documented by the subclass.
         metric_prefix: namespace of the update metrics (``ppo``, ``policy``).
         update_metrics: names of the update metrics (``*_max`` ones are maxima, the others means).
     """
@@ -81,6 +84,7 @@ class OnlineRLModule(OnlineBookkeeping):
         log_samples_every: int,
         num_log_samples: int,
         rng_seed: int,
+        on_nonfinite: NonFinitePolicy,
         metric_prefix: str,
         update_metrics: Sequence[str],
     ) -> None:
@@ -92,8 +96,9 @@ class OnlineRLModule(OnlineBookkeeping):
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         self.generation = GenerationSettings.coerce(generation, "generation")
         check_online_args(
-            name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every
-        )
+            name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every,
+            on_nonfinite,
+        )  # fmt: skip
         self.metric_prefix = metric_prefix
         self.actor_lora = actor.lora is not None
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
@@ -107,7 +112,9 @@ class OnlineRLModule(OnlineBookkeeping):
                 self.reference = None if actor.lora else frozen_copy(self.actor)
             self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
             self.monitor = (
-                None if monitor_reward_fn is None else RewardSource(None, monitor_reward_fn, self.tokenizer)
+                None
+                if monitor_reward_fn is None
+                else RewardSource(None, monitor_reward_fn, self.tokenizer, "monitor_reward_fn")
             )
         self.kl_ctl = (
             F.FixedKLController(kl_coef)
@@ -117,6 +124,7 @@ class OnlineRLModule(OnlineBookkeeping):
         self.buffer = ReplayBuffer(num_minibatches, rng_seed)
         self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_metrics)
         self.rollouts_done = 0
+        self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
         self._rng_to_restore: tuple[torch.Tensor, list] | None = None
         self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
 
@@ -210,15 +218,80 @@ class OnlineRLModule(OnlineBookkeeping):
 
     @torch.no_grad()
     def score_responses(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, truncated: torch.Tensor
-    ) -> torch.Tensor:
-        """(B,) sequence scores of the rollout (adjusted), and the monitor score logged on the side."""
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        T: int,
+        truncated: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) adjusted sequence scores of the rollout and the (B,) bool mask of the rows to learn from.
+
+        Every score (reward model or function, and the monitor) is screened by ``on_nonfinite``: under
+        ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
+        prompt/response; under ``"drop"`` such rows are False in the mask (the caller gives them no
+        gradient with :meth:`drop_rows`), their scores are replaced by the mean of the kept scores of
+        their group (of the rollout when K = 1 or the whole group is dropped), so group baselines see only
+        kept scores, and ``rollout/nonfinite_scores`` counts them over all ranks. The monitor is only
+        logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
+        """
         chunk = self.hparams.forward_batch_size
-        scores = self.adjust_scores(self.rewards.score(input_ids, attention_mask, T, chunk), truncated)
+        scores = self.rewards.score(input_ids, attention_mask, T, chunk)  # (B,)
+        keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
+        scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
         if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, chunk)
-            self.rollout_metrics.update({"monitor_score": monitor.mean()})
-        return scores
+            monitor = self.monitor.score(input_ids, attention_mask, T, chunk)  # (B,)
+            monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False)
+            self.rollout_metrics.update({"monitor_score": monitor[monitor_keep].mean()})
+        return scores, keep
+
+    def screen(
+        self,
+        scores: torch.Tensor,
+        source: RewardSource,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        T: int,
+        counted: bool = True,
+    ) -> torch.Tensor:
+        """``guards.screen_scores`` under ``on_nonfinite``, decided the same on every rank: (B,) keep mask."""
+        bad = ~torch.isfinite(scores)  # (B,)
+        totals = self.trainer.strategy.reduce(  # non-finite and finite rows of every rank
+            torch.stack([bad.sum(), (~bad).sum()]).float(), reduce_op="sum"
+        )
+        if counted:
+            self.rollout_metrics.update({"nonfinite_scores": totals[0]})
+        if totals[0] == 0:
+            return ~bad
+        policy = self.hparams.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
+        rollout = self.rollouts_done + 1
+        if not bad.any():
+            if policy == "raise":
+                raise NonFiniteError(
+                    f"rollout {rollout}: {source.description} returned {int(totals[0])} non-finite scores on "
+                    "another rank (its error names them); set on_nonfinite='drop' to drop such rows"
+                )
+            return ~bad
+        prompts = self.tokenizer.batch_decode(input_ids[:, :-T], skip_special_tokens=True)
+        responses = source.decode_responses(input_ids[:, -T:], attention_mask[:, -T:].bool())
+        return screen_scores(
+            scores, policy, rollout=rollout, source=source.description, prompts=prompts, responses=responses,
+            allow_empty=bool(totals[1] > 0),
+        )  # fmt: skip
+
+    def drop_rows(self, rollout: Rollout, keep: torch.Tensor) -> Rollout:
+        """The rollout with dropped rows (``keep`` False) carrying no policy or value gradient.
+
+        Their advantages are 0 (so the clipped surrogate has neither value nor gradient for them) and
+        their value targets are their own old values; shapes stay equal on every rank (a sharded
+        forward is collective). Regularisers that do not use the score (entropy bonus, KL-to-reference
+        loss) still see them, as they see every sampled response.
+        """
+        if bool(keep.all()):
+            return rollout
+        row = keep[:, None]  # (B, 1)
+        advantages = torch.where(row, rollout.advantages, 0.0)  # (B, T)
+        returns = None if rollout.returns is None else torch.where(row, rollout.returns, rollout.old_values)
+        return replace(rollout, advantages=advantages, returns=returns)
 
     def adjust_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
         """Missing-EOS penalty, then optional clipping of the sequence scores (seeds/000)."""
@@ -250,9 +323,14 @@ class OnlineRLModule(OnlineBookkeeping):
         Each minibatch is processed in micro-batches of ``forward_batch_size`` rows whose losses are
         weighted by their share of the minibatch (real tokens, or rows for the sequence-mean
         aggregations), so the accumulated gradient equals the minibatch's loss. A minibatch whose mean
-        ratio exceeds ``ratio_threshold`` is skipped. Returns the mean KL(old || new) of the last epoch.
+        ratio exceeds ``ratio_threshold`` is skipped (``skipped_minibatches``); one whose loss or gradient
+        is not finite on any rank is never stepped, on any optimiser (``nonfinite_steps``, counted in
+        the checkpoint by ``step_guard``). Afterwards every trained model is checked for non-finite
+        weights. Returns the mean KL(old || new) of the last epoch.
         """
         hp = self.hparams
+        params = [p for opt, _ in optimized for group in opt.param_groups for p in group["params"]]
+        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
         for _ in range(epochs):
             epoch_kl = []
             for mb in self.buffer.minibatches():
@@ -261,18 +339,25 @@ class OnlineRLModule(OnlineBookkeeping):
                     part = mb.select(rows)
                     weight = F.aggregation_weight(part.response_mask, mb.response_mask, loss_aggregation)
                     loss, part_stats = loss_fn(part)
+                    self.step_guard.observe_loss(loss)
                     self.manual_backward(loss * weight)
                     accumulate_stats(stats, part_stats, weight)
-                skip = hp.ratio_threshold is not None and stats["ratio_mean"] > hp.ratio_threshold
-                if not skip:
+                skip = hp.ratio_threshold is not None and bool(stats["ratio_mean"] > hp.ratio_threshold)
+                finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
+                if finite and not skip:
                     for opt, model in optimized:
                         if hp.max_grad_norm is not None:
                             clip_grad_norm(self, opt, model, hp.max_grad_norm)
                         opt.step()
                 for opt, _ in optimized:
                     opt.zero_grad(set_to_none=True)
-                self.update_metrics.update({**stats, "skipped_minibatches": float(skip)})
+                self.update_metrics.update(
+                    {**stats, "skipped_minibatches": float(skip), "nonfinite_steps": float(not finite)}
+                )
                 epoch_kl.append(stats["policy_kl"])
+        for _, model in optimized:
+            what = f"rollout {self.rollouts_done + 1}: {type(model).__name__} after the update"
+            check_finite_weights(model, what)
         return torch.stack(epoch_kl).mean().item()
 
     def update_kl_controller(self, kl: torch.Tensor, response_mask: torch.Tensor) -> None:
@@ -300,8 +385,11 @@ def check_online_args(
     kl_coef: float,
     max_rollouts: int | None,
     log_samples_every: int,
+    on_nonfinite: str,
 ) -> None:
     """Check the shared arguments early, with messages naming the module and the argument."""
+    if on_nonfinite not in ("raise", "drop"):
+        raise ValueError(f"{name}: on_nonfinite must be 'raise' or 'drop', got {on_nonfinite!r}")
     if (reward_model is None) == (reward_fn is None):
         raise ValueError(
             f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
@@ -314,3 +402,11 @@ def check_online_args(
         raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")
     if log_samples_every < 0:
         raise ValueError(f"{name}: log_samples_every must be >= 0, got {log_samples_every}")
+
+
+def check_finite_floats(name: str, args: dict) -> None:
+    """Refuse NaN and infinite float arguments (``clip_coef: nan`` would pass every ``<= 0`` check)."""
+    for key, value in args.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name}: {key} must be a finite number, got {value}")
+

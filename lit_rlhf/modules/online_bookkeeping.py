@@ -13,13 +13,14 @@ from lit_rlhf import functional as F
 from lit_rlhf.models import export_pretrained
 from lit_rlhf.modules.base import drop_frozen_weights, internal_base
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint
+from lit_rlhf.modules.optim import resolve_total_steps
 from lit_rlhf.modules.samples import log_text_table
 
 
 @internal_base
 class OnlineBookkeeping(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's attributes: ``rollout_metrics``, ``update_metrics``,
-    ``metric_prefix``, ``num_samples``, ``kl_ctl``, ``buffer``, ``rollouts_done``, ``actor``, ``tokenizer``, ``rewards``)."""
+    ``metric_prefix``, ``num_samples``, ``kl_ctl``, ``buffer``, ``rollouts_done``, ``step_guard``, ``actor``, ``tokenizer``, ``rewards``)."""
 
     # -- metrics and samples --------------------------------------------------------------------------
     def log_rollout_stats(
@@ -68,7 +69,23 @@ class OnlineBookkeeping(LightningModule):
         if self.hparams.max_rollouts is not None and self.rollouts_done >= self.hparams.max_rollouts:
             self.trainer.should_stop = True
 
-    # -- Lightning hooks: checkpoints, export ---------------------------------------------------------
+    # -- Lightning hooks: limits, checkpoints, export -------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run."""
+        total = self.hparams.max_rollouts or self.trainer.estimated_stepping_batches
+        for scheduler in self.lr_schedulers_list():
+            resolve_total_steps(scheduler, total)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Stop before a rollout past ``max_rollouts`` (e.g. when resuming an end-of-run checkpoint)."""
+        limit = self.hparams.max_rollouts
+        if limit is not None and self.rollouts_done >= limit:
+            self.trainer.should_stop = True
+            return -1  # Lightning skips the rest of the epoch; should_stop ends the fit
+        return None
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not is_sharded_checkpoint(self):  # a sharded checkpoint must hold every key (see there)
@@ -81,6 +98,7 @@ class OnlineBookkeeping(LightningModule):
             "kl_ctl": self.kl_ctl.state_dict(),
             "buffer": self.buffer.state_dict(),
             "rollouts_done": self.rollouts_done,
+            "step_guard": self.step_guard.state_dict(),
             # generate() samples from the global RNG; restoring it makes a resumed run sample identically
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -89,6 +107,7 @@ class OnlineBookkeeping(LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
+        self.step_guard.load_state_dict(state.get("step_guard", {}))
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollouts_done = state["rollouts_done"]

@@ -37,6 +37,8 @@ class WarmupCosineLR(LRScheduler):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
+        # set by resolve_total_steps; kept in the state dict, so a resumed run can re-resolve the length
+        self.total_steps_from_run = total_steps < 0
         self.min_lr_ratio = min_lr_ratio
         super().__init__(optimizer)
 
@@ -119,8 +121,12 @@ def _fused_kernel_available(params: list) -> bool:
 
 
 def resolve_total_steps(scheduler: object, total_steps: int | float) -> None:
-    """Fill in ``total_steps`` of a :class:`WarmupCosineLR` left at -1 (other schedulers are untouched)."""
-    if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps < 0:
+    """Fill in ``total_steps`` of a :class:`WarmupCosineLR` left at -1 (other schedulers are untouched).
+
+    Called again after a resume, it replaces the length restored from the checkpoint (e.g. a larger
+    ``max_rollouts`` given on the command line), as long as the schedule's length came from the run.
+    """
+    if isinstance(scheduler, WarmupCosineLR) and getattr(scheduler, "total_steps_from_run", False):
         if not math.isfinite(total_steps):
             raise ValueError(
                 "WarmupCosineLR(total_steps=-1) needs a finite run: set trainer.max_steps or max_epochs, "

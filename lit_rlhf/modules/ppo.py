@@ -22,13 +22,13 @@ from lit_rlhf.models import (
     disable_dropout,
     policy_forward,
 )
-from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
 from lit_rlhf.modules.optim import AdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
 PPO_METRICS = (
     "policy_loss", "value_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "value_clipfrac",
-    "ratio_mean", "ratio_max", "skipped_minibatches",
+    "ratio_mean", "ratio_max", "skipped_minibatches", "nonfinite_steps",
     "explained_variance", "advantages_mean", "advantages_std", "returns_mean", "values_mean",
 )  # fmt: skip
 
@@ -77,6 +77,10 @@ class PPOModule(OnlineRLModule):
         num_log_samples: rows of that table.
         rng_seed: seed of the model initialisations and the minibatch shuffling (named apart from the
             DataModule's `seed`, since Lightning refuses equal hparam names with different values).
+        on_nonfinite: what a NaN/inf score of the reward model or function does: ``raise`` (default:
+            the fit stops, naming the rollout, the scorer and the prompt/response, before anything is
+            learnt from it) or ``drop`` (those rows get no gradient and are counted in
+            ``rollout/nonfinite_scores``). Non-finite losses or gradients are always skipped.
         actor_optimizer: optimiser factory of the actor.
         critic_optimizer: optimiser factory of the critic (or the shared value head).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
@@ -125,6 +129,7 @@ class PPOModule(OnlineRLModule):
         log_samples_every: int = 10,
         num_log_samples: int = 4,
         rng_seed: int = 0,
+        on_nonfinite: Literal["raise", "drop"] = "raise",
         actor_optimizer: OptimizerCallable = AdamW,
         critic_optimizer: OptimizerCallable = AdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
@@ -137,6 +142,7 @@ class PPOModule(OnlineRLModule):
             num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
             log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            on_nonfinite=on_nonfinite,
             metric_prefix="ppo", update_metrics=PPO_METRICS,
         )  # fmt: skip
         self.save_plain_hyperparameters(
@@ -165,7 +171,7 @@ class PPOModule(OnlineRLModule):
         # 2. Score without gradients: old/ref log-probs, old values, sequence scores.
         T = responses.shape[1]
         old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(input_ids, attention_mask, T)
-        scores = self.score_responses(input_ids, attention_mask, T, truncated)
+        scores, keep = self.score_responses(input_ids, attention_mask, T, truncated)
         # 3. KL-shaped per-token rewards (seeds/000), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(
             scores, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
@@ -184,7 +190,7 @@ class PPOModule(OnlineRLModule):
             old_values, rewards, advantages, returns, scores,
         )  # fmt: skip
         # 4. PPO epochs over shuffled minibatches of the replay buffer.
-        self.buffer.put(rollout)
+        self.buffer.put(self.drop_rows(rollout, keep))
         last_policy_kl = self.ppo_epochs()
         self.buffer.clear()
         # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
@@ -318,6 +324,7 @@ class PPOModule(OnlineRLModule):
 
 def check_ppo_args(args: dict) -> None:
     """Check PPOModule's own arguments early, with messages naming the argument."""
+    check_finite_floats("PPOModule", args)
     if (args["reward_model"] is None) == (args["reward_fn"] is None):
         raise ValueError(
             "PPOModule: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
@@ -338,7 +345,9 @@ def check_ppo_args(args: dict) -> None:
             raise ValueError(f"PPOModule: {name} must be > 0, got {args[name]}")
     if args["clip_coef_high"] is not None and args["clip_coef_high"] <= 0:
         raise ValueError(f"PPOModule: clip_coef_high must be > 0 or None, got {args['clip_coef_high']}")
-    for name in ("clip_coef_value", "vf_coef", "ent_coef", "kl_coef"):
+    if args["clip_coef_value"] <= 0:  # 0 would pin the values to the old ones: the critic could not learn
+        raise ValueError(f"PPOModule: clip_coef_value must be > 0, got {args['clip_coef_value']}")
+    for name in ("vf_coef", "ent_coef", "kl_coef"):
         if args[name] < 0:
             raise ValueError(f"PPOModule: {name} must be >= 0, got {args[name]}")
     for name in ("gamma", "gae_lambda"):
