@@ -15,7 +15,7 @@ from lightning.pytorch import Trainer
 from lit_rlhf.data import PreferenceDataModule, SFTDataModule
 from lit_rlhf.guards import NonFiniteError, StepGuard, check_finite_weights, screen_scores
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
-from lit_rlhf.modules import RewardModelModule, SFTModule
+from lit_rlhf.modules import DPOModule, RewardModelModule, SFTModule
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128}
@@ -79,10 +79,13 @@ def _modules(tiny: Path, kind: str):
     kw = dict(max_length=64, max_prompt_length=16, batch_size=16)
     if kind == "sft":
         return SFTModule(spec, optimizer=opt, num_samples=0), SFTDataModule(f"{tiny}/tokenizer", f"{tiny}/sft.jsonl", **kw)
-    return RewardModelModule(spec, optimizer=opt), PreferenceDataModule(f"{tiny}/tokenizer", f"{tiny}/prefs.jsonl", **kw)
+    prefs = PreferenceDataModule(f"{tiny}/tokenizer", f"{tiny}/prefs.jsonl", **kw)
+    if kind == "dpo":
+        return DPOModule(spec, optimizer=opt, num_samples=0), prefs
+    return RewardModelModule(spec, optimizer=opt), prefs
 
 
-@pytest.mark.parametrize("kind", ["sft", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
 @pytest.mark.parametrize("fault", ["loss", "grad"])
 def test_nonfinite_step_is_skipped_counted_and_weights_stay_finite(kind, fault, tiny_data_dir, tmp_path):
     torch.manual_seed(0)
