@@ -183,3 +183,32 @@ def test_online_configs_set_their_own_learning_rates(path):
     names = ["actor_optimizer"] + (["critic_optimizer"] if model["class_path"].endswith("PPOModule") else [])
     for name in names:
         assert float(model["init_args"][name]["init_args"]["lr"]) > 0, name
+
+
+def test_resume_from_a_checkpoint_written_at_a_validation_is_exact(tokenizer_dir, tmp_path):
+    # ModelCheckpoint saves at the end of each validation, while the global RNG holds the validation
+    # loader's draws: the checkpoint must hold the training stream, so rollouts 3..4 of the resumed run
+    # equal those of the uninterrupted one (and so do the validations).
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root, ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0)
+        saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, filename="{step}")
+        fit = trainer(root, check_val_every_n_epoch=None, val_check_interval=2, enable_checkpointing=True,
+                      callbacks=[saver], default_root_dir=str(root))  # fmt: skip
+        fit.fit(module, train_dataloaders=prompt_loader(tokenizer_dir, n=16, batch_size=4),
+                val_dataloaders=prompt_loader(tokenizer_dir, n=8, batch_size=4), ckpt_path=ckpt_path)  # fmt: skip
+        return rows_of(fit)
+
+    full = run(tmp_path / "full")
+    (first_ckpt, _) = sorted((tmp_path / "full" / "ckpt").glob("*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+    resumed = run(tmp_path / "resumed", ckpt_path=str(first_ckpt))
+    full_rollouts = [r for r in full if "rollout/score" in r][2:]
+    resumed_rollouts = [r for r in resumed if "rollout/score" in r]
+    assert len(full_rollouts) == len(resumed_rollouts) == 2
+    for a, b in zip(full_rollouts, resumed_rollouts):
+        for key in ("rollout/kl_ref", "rollout/entropy", "ppo/policy_loss", "ppo/value_loss", "ppo/kl_coef"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
+    last_val = [r for r in full if "val/kl_ref" in r][-1]
+    assert float(last_val["val/kl_ref"]) == pytest.approx(float([r for r in resumed if "val/kl_ref" in r][-1]["val/kl_ref"]))
