@@ -136,11 +136,11 @@ def test_prompt_batches_are_checked_before_generation(tokenizer_dir):
 
 
 def test_rng_seed_follows_seed_everything_unless_given_and_is_checkpointed(tokenizer_dir, tmp_path):
-    def head(global_seed: int, **kw) -> tuple[PPOModule, torch.Tensor]:
+    def head(global_seed: int, rng_seed: int | None = None) -> tuple[PPOModule, torch.Tensor]:
         seed_everything(global_seed)
         # an actor spec without its own seed is initialised from the module's seeded stream
         actor = {"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": None}
-        module = tiny_ppo(tokenizer_dir, gpt2_config(), actor=actor, **kw)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), actor=actor, rng_seed=rng_seed)
         return module, module.actor.transformer.wte.weight.detach().clone()
 
     (m1, w1), (_, w1b), (m2, w2) = head(1), head(1), head(2)
@@ -149,7 +149,7 @@ def test_rng_seed_follows_seed_everything_unless_given_and_is_checkpointed(token
     (m7, w7), (_, w7b) = head(1, rng_seed=7), head(2, rng_seed=7)
     assert m7.hparams.rng_seed == 7 and torch.equal(w7, w7b)
     # the resolved seed is in the checkpoint (and in the hyper-parameters a reload is built from)
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=1)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=1, rng_seed=None)
     run = trainer(tmp_path, enable_checkpointing=True, default_root_dir=str(tmp_path))
     run.fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=8))
     (ckpt,) = tmp_path.rglob("*.ckpt")
