@@ -1,9 +1,9 @@
-"""lit_rlhf: RLHF (SFT, reward modelling, PPO) the PyTorch Lightning way.
+"""lit_rlhf: RLHF (SFT, reward modelling, PPO, GRPO/RLOO/REINFORCE++, DPO) the PyTorch Lightning way.
 
 The public classes are importable from the top level; they are loaded on first access, so
 ``import lit_rlhf`` stays cheap (no torch/transformers import until a class is used)::
 
-    from lit_rlhf import SFTModule, RewardModelModule, PPOModule, PreferenceDataModule, ModelSpec, HFExport
+    from lit_rlhf import SFTModule, RewardModelModule, PPOModule, CriticFreeModule, DPOModule, ModelSpec
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ _EXPORTS = {
     "SFTModule": "lit_rlhf.modules",
     "RewardModelModule": "lit_rlhf.modules",
     "PPOModule": "lit_rlhf.modules",
+    "CriticFreeModule": "lit_rlhf.modules",
+    "DPOModule": "lit_rlhf.modules",
     "WarmupCosineLR": "lit_rlhf.modules",
     "SFTDataModule": "lit_rlhf.data",
     "PreferenceDataModule": "lit_rlhf.data",
@@ -30,7 +32,7 @@ _EXPORTS = {
 }
 
 __all__ = [  # noqa: RUF022 (grouped like _EXPORTS)
-    "SFTModule", "RewardModelModule", "PPOModule", "WarmupCosineLR",
+    "SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "WarmupCosineLR",
     "SFTDataModule", "PreferenceDataModule", "PromptDataModule", "DataFormatError",
     "ModelSpec", "HFExport", "RolloutProgressBar", "LitProgressBar", "GenerationSettings",
 ]  # fmt: skip
@@ -39,7 +41,14 @@ if TYPE_CHECKING:
     from lit_rlhf.callbacks import HFExport
     from lit_rlhf.data import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
     from lit_rlhf.models import ModelSpec
-    from lit_rlhf.modules import PPOModule, RewardModelModule, SFTModule, WarmupCosineLR
+    from lit_rlhf.modules import (
+        CriticFreeModule,
+        DPOModule,
+        PPOModule,
+        RewardModelModule,
+        SFTModule,
+        WarmupCosineLR,
+    )
     from lit_rlhf.progress import LitProgressBar, RolloutProgressBar
     from lit_rlhf.rollout import GenerationSettings
 

@@ -109,22 +109,26 @@ def generation_kwargs(
     pad_token_id: int,
     tokenizer: object | None = None,
     synced_gpus: bool = False,
+    greedy: bool = False,
 ) -> dict:
     """Keyword arguments of ``model.generate`` for one rollout (see :func:`generate_responses`).
 
     Position ids are given explicitly, computed from the mask as the scoring forwards do: some models
     (GPT-2) otherwise generate left-padded rows at shifted positions, so the sampling distribution
-    would differ from the one ``old_logprobs`` are computed under.
+    would differ from the one ``old_logprobs`` are computed under. ``greedy`` decodes by argmax (an
+    evaluation setting; the sampling fields of ``settings`` are then not passed).
     """
+    sampling = (
+        dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if greedy
+        else dict(do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None, top_p=settings.top_p)
+    )
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        do_sample=True,
         max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k or None,
-        top_p=settings.top_p,
+        **sampling,
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
         suppress_tokens=[pad_token_id],
@@ -146,6 +150,7 @@ def generate_responses(
     pad_token_id: int,
     tokenizer: object | None = None,
     synced_gpus: bool = False,
+    greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
 
@@ -156,6 +161,7 @@ def generate_responses(
         eos_token_id, pad_token_id: the tokenizer's ids; pad is never sampled.
         tokenizer: needed by ``generate`` only when ``settings.stop_strings`` is set.
         synced_gpus: keep every rank generating until all are done (sharded models hang otherwise).
+        greedy: argmax decoding instead of sampling (evaluation only: a rollout must be sampled).
 
     Returns:
         responses: (B, T) token ids, T <= max_new_tokens, padding after the stop;
@@ -164,7 +170,7 @@ def generate_responses(
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     out = model.generate(
         **generation_kwargs(
-            input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus
+            input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy
         )
     )
     responses = out[:, input_ids.shape[1] :]

@@ -5,7 +5,8 @@
 Writes ``tokenizer/`` (byte-level BPE trained here), ``sft.jsonl`` (prompt/completion),
 ``prefs.jsonl`` (prompt/chosen/rejected: the chosen review is positive, the rejected one negative, a
 separable toy preference) and ``prompts.jsonl``, each with a held-out ``*_test.jsonl`` (a quarter as many
-rows, drawn from another seed) for ``lit-rlhf test``. Deterministic for a seed; takes seconds.
+rows, drawn from another seed) for ``lit-rlhf test``, and ``prompts_val.jsonl`` (an eighth as many held-out
+prompts) for the evaluation rollouts of the online configs. Deterministic for a seed; takes seconds.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "prefs.jsonl", prefs)
     write_jsonl(out / "prompts.jsonl", [{"prompt": p} for p in prompts])
     write_test_files(out, max(1, args.rows // 4), random.Random(args.seed + 1))
-    print(f"wrote {out}/tokenizer, sft.jsonl, prefs.jsonl, prompts.jsonl ({args.rows} rows each) and *_test.jsonl")
+    # validation prompts numbered past the test ones (the prompt is all the online modules read)
+    write_jsonl(out / "prompts_val.jsonl", [{"prompt": f"review {100 + i % 50}:"} for i in range(max(1, args.rows // 8))])
+    print(
+        f"wrote {out}/tokenizer, sft.jsonl, prefs.jsonl, prompts.jsonl ({args.rows} rows each), *_test.jsonl"
+        " and prompts_val.jsonl"
+    )
 
 
 def write_test_files(out: Path, rows: int, rng: random.Random) -> None:

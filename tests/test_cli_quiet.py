@@ -57,6 +57,36 @@ def test_tiny_configs_validate_and_test(workdir, name):
         assert noise not in validate + test, f"{noise!r} in:\n{validate + test}"
 
 
+@pytest.fixture(scope="module")
+def exports(workdir) -> Path:
+    """runs/sft_tiny/export and runs/rm_tiny/export after two steps each: what the online and DPO configs load."""
+    for name in ("sft", "rm"):
+        lit_rlhf(workdir, "fit", "--config", str(ROOT / f"configs/{name}_tiny.yaml"), "--trainer.max_steps=2",
+                 "--trainer.limit_val_batches=1", "--trainer.logger=false")  # fmt: skip
+    return workdir
+
+
+@pytest.mark.parametrize(
+    "name, metric",
+    [
+        ("ppo", "kl_ref"),
+        pytest.param("grpo", "kl_ref", marks=pytest.mark.slow),  # ~20 s each on 2 shared cores
+        pytest.param("dpo", "rewards/accuracies", marks=pytest.mark.slow),
+    ],
+    ids=["ppo", "grpo", "dpo"],
+)
+def test_online_and_dpo_tiny_configs_validate_and_test(exports, name, metric):
+    config = str(ROOT / f"configs/{name}_tiny.yaml")
+    validate = lit_rlhf(exports, "validate", "--config", config, "--trainer.logger=false")
+    test = lit_rlhf(exports, "test", "--config", config, "--trainer.logger=false")
+    assert f"val/{metric}" in validate and f"test/{metric}" in test
+    if name != "dpo":  # evaluation rollouts: score and KL in the progress line of a log, table rows
+        assert "validation at step 0: val/score=" in validate and "val/kl_ref=" in validate
+        assert "test/response_length" in test and "test/score" in test
+    for noise in (*NOISE, "validation_step", "test_step", "eval mode"):
+        assert noise not in validate + test, f"{noise!r} in:\n{validate + test}"
+
+
 def test_cli_model_choices_hide_internal_bases():
     import lightning.pytorch as pl
     from jsonargparse._typehints import get_all_subclass_paths
@@ -64,12 +94,15 @@ def test_cli_model_choices_hide_internal_bases():
     import lit_rlhf.modules  # noqa: F401  (imports the bases too)
 
     choices = get_all_subclass_paths(pl.LightningModule)  # what --model offers (shortest import paths)
-    assert {"lit_rlhf.SFTModule", "lit_rlhf.RewardModelModule", "lit_rlhf.PPOModule"} <= set(choices)
-    assert not [c for c in choices if c.endswith(("SingleModelModule", "OnlineRLModule", "OnlineBookkeeping"))]
+    public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule")
+    assert {f"lit_rlhf.{name}" for name in public} <= set(choices)
+    internal = ("SingleModelModule", "OnlineRLModule", "OnlineBookkeeping", "OnlineEvaluation")
+    assert not [c for c in choices if c.endswith(internal)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     help_text = subprocess.run([sys.executable, "-m", "lit_rlhf.cli", "fit", "--help"], env=env,
                                capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert "SFTModule" in help_text and "SingleModelModule" not in help_text and "OnlineRLModule" not in help_text
+    assert all(name in help_text for name in public)
+    assert not [name for name in internal if name in help_text]
 
 
 class FakeOnline(LightningModule):

@@ -166,6 +166,7 @@ def ppo_fit(tokenizer_dir: str, prompt_file: Path, cwd: Path, *extra: str) -> su
         "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
         "--model.init_args.max_rollouts=4", "--model.init_args.generation.max_new_tokens=6",
         f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        "--data.init_args.val_path=null", "--data.init_args.test_path=null",
         "--data.init_args.batch_size=8", "--trainer.enable_progress_bar=false", *extra,
     ]  # fmt: skip
     cwd.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,10 @@ def test_top_level_exports():
     import lit_rlhf
 
     assert lit_rlhf.SFTModule is SFTModule and lit_rlhf.PreferenceDataModule is PreferenceDataModule
+    from lit_rlhf import CriticFreeModule, DPOModule, PPOModule
+    from lit_rlhf.modules import critic_free, dpo, ppo
+
+    assert (CriticFreeModule, DPOModule, PPOModule) == (critic_free.CriticFreeModule, dpo.DPOModule, ppo.PPOModule)
     for name in lit_rlhf.__all__:
         assert getattr(lit_rlhf, name) is not None
     code = "import sys, lit_rlhf; print('torch' in sys.modules)"

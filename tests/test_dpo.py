@@ -170,6 +170,17 @@ def test_validate_untrained_policy_gives_log2_and_zero_rewards(tiny_data, tmp_pa
     assert metrics["val/logps/chosen"] < 0 and metrics["val/logps/rejected"] < 0
 
 
+@pytest.mark.parametrize("precompute", [False, True])
+def test_test_untrained_policy_on_the_test_path_logs_test_metrics(tiny_data, tmp_path, precompute):
+    module = _dpo(tiny_data, precompute_ref_logprobs=precompute)
+    data = _data(tiny_data, test_path=f"{tiny_data}/prefs_test.jsonl")
+    metrics = _trainer(tmp_path).test(module, data, verbose=False)[0]
+    assert set(metrics) == {f"test/{name}" for name in METRICS}
+    assert metrics["test/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["test/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert data.stats["test"]["rows"] == 40 and ("test" in module.ref_logps) == precompute
+
+
 @pytest.mark.parametrize(("loss_type", "extra"), [("ipo", {}), ("simpo", {"simpo_gamma": 0.5})])
 def test_ipo_and_simpo_fit(tiny_data, tmp_path, loss_type, extra):
     module, recorder = _dpo(tiny_data, loss_type=loss_type, beta=1.0, **extra), LossRecorder()

@@ -215,7 +215,8 @@ def test_cli_fit_writes_tensorboard_tags_and_hf_export(tokenizer_dir, prompt_fil
         "--model.init_args.max_rollouts=3", "--model.init_args.log_samples_every=1",
         "--model.init_args.generation.max_new_tokens=6",
         f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
-        "--data.init_args.batch_size=8",
+        f"--data.init_args.val_path={prompt_file}", "--data.init_args.test_path=null",
+        "--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
         f"--trainer.logger.init_args.save_dir={run}", f"--trainer.default_root_dir={run}",
         "--trainer.callbacks=lit_rlhf.callbacks.HFExport", f"--trainer.callbacks.dirpath={run}/export",
         "--trainer.enable_progress_bar=false",
@@ -236,6 +237,8 @@ def test_cli_fit_writes_tensorboard_tags_and_hf_export(tokenizer_dir, prompt_fil
     missing = [tag for tag in expected if tag not in scalars]
     assert not missing, f"missing TensorBoard tags {missing}"
     assert all(len(scalars[tag]) == 3 for tag in expected), "one value per rollout"
+    # max_rollouts=3 stops fitting before the config's val_check_interval of 5: one evaluation at the end
+    assert {tag: len(scalars[tag]) for tag in ("val/score", "val/kl_ref")} == {"val/score": 1, "val/kl_ref": 1}
     actor = AutoModelForCausalLM.from_pretrained(run / "export" / "actor")
     assert actor.config.model_type == "gpt2"
     assert (run / "export" / "critic" / "config.json").exists()

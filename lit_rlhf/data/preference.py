@@ -28,7 +28,7 @@ class PreferenceDataModule(RLHFDataModule):
     implicit ``chosen``/``rejected`` (Anthropic HH) and ShareGPT ``conversations`` + ``chosen``/``rejected``;
     an optional ``margin`` column. Batches come from :class:`~lit_rlhf.data.collators.PreferenceCollator`:
     ``input_ids``, ``attention_mask``, ``response_mask`` (2B, L), chosen rows first, ``margin`` (B,) and
-    ``row_index`` (B,), each pair's position in its split (``train_dataset`` / ``val_dataset``).
+    ``row_index`` (B,), each pair's position in its split (``train_dataset`` / ``val_dataset`` / ``test_dataset``).
     """
 
     slots = ("chosen", "rejected")
@@ -92,7 +92,7 @@ class PreferenceDataModule(RLHFDataModule):
     def setup(self, stage: str | None = None) -> None:
         super().setup(stage)
         # DPOModule keys precomputed reference log-probs by a pair's position in its split
-        for name in ("train_dataset", "val_dataset"):
+        for name in ("train_dataset", "val_dataset", "test_dataset"):
             dataset = getattr(self, name)
             if dataset is not None and "row_index" not in dataset.column_names:
                 setattr(self, name, dataset.add_column("row_index", list(range(len(dataset)))))

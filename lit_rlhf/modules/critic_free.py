@@ -23,7 +23,7 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.models import ModelSpec, policy_forward
 from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
-from lit_rlhf.modules.optim import AdamW, resolve_total_steps
+from lit_rlhf.modules.optim import PolicyAdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -87,13 +87,18 @@ class CriticFreeModule(OnlineRLModule):
         missing_eos_penalty: subtracted from the score of a response truncated without a stop token.
         max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
         log_samples_every: log a prompt/response/score table every this many rollouts (0 = never).
-        num_log_samples: rows of that table.
-        rng_seed: seed of the model initialisations and the minibatch shuffling.
+        num_log_samples: rows of that table (and of the ``val/samples``/``test/samples`` tables).
+        eval_generation: settings of the evaluation rollouts of ``validate``/``test`` (and of validation
+            during fit): ``GenerationSettings``, or a dict of fields overriding ``generation`` with one
+            sample per prompt (None = exactly that).
+        eval_greedy: decode evaluation rollouts greedily (argmax) instead of sampling them.
+        rng_seed: seed of the model initialisations, the minibatch shuffling and the evaluation sampling;
+            None follows ``seed_everything`` (the value used is stored in the hyper-parameters and checkpoints).
         on_nonfinite: what a NaN/inf score of the reward model or function does: ``raise`` (default:
             the fit stops, naming the rollout, the scorer and the prompt/response, before anything is
             learnt from it) or ``drop`` (those rows get no gradient and are counted in
             ``rollout/nonfinite_scores``). Non-finite losses or gradients are always skipped.
-        actor_optimizer: optimiser factory of the actor.
+        actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
 
@@ -130,9 +135,11 @@ class CriticFreeModule(OnlineRLModule):
         max_rollouts: int | None = None,
         log_samples_every: int = 10,
         num_log_samples: int = 4,
-        rng_seed: int = 0,
+        eval_generation: GenerationSettings | dict | None = None,
+        eval_greedy: bool = False,
+        rng_seed: int | None = None,
         on_nonfinite: Literal["raise", "drop"] = "raise",
-        actor_optimizer: OptimizerCallable = AdamW,
+        actor_optimizer: OptimizerCallable = PolicyAdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         if generation is None:
@@ -143,7 +150,8 @@ class CriticFreeModule(OnlineRLModule):
             reference=reference, generation=generation, forward_batch_size=forward_batch_size,
             num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
-            log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            log_samples_every=log_samples_every, num_log_samples=num_log_samples,
+            eval_generation=eval_generation, eval_greedy=eval_greedy, rng_seed=rng_seed,
             on_nonfinite=on_nonfinite,
             metric_prefix="policy", update_metrics=POLICY_METRICS,
         )  # fmt: skip

@@ -1,9 +1,9 @@
 """Offline preference optimisation of a causal LM: DPO, conservative DPO, IPO and SimPO.
 
-Metric names (TRL's, under the project's ``train/`` / ``val/`` prefixes): ``{stage}/loss``,
+Metric names (TRL's, under the project's ``train/`` / ``val/`` / ``test/`` prefixes): ``{stage}/loss``,
 ``{stage}/rewards/chosen``, ``{stage}/rewards/rejected``, ``{stage}/rewards/margins``,
 ``{stage}/rewards/accuracies``, ``{stage}/logps/chosen``, ``{stage}/logps/rejected``; ``val/samples``
-is a table of greedy completions of validation prompts.
+(``test/samples``) is a table of greedy completions of validation (test) prompts.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lit_rlhf.models import (
 from lit_rlhf.models import disable_dropout as zero_dropout
 from lit_rlhf.modules.distributed import is_sharded_checkpoint, shard_models, unwrap
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
-from lit_rlhf.modules.samples import log_text_table, prompts_from_batch
+from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
 
 DPO_METRICS = (
@@ -103,6 +103,7 @@ class DPOModule(SingleModelModule):
         self.ref_logps: dict[str, torch.Tensor] = {}
         self._reference_released = False
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in DPO_METRICS})
+        self.test_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in DPO_METRICS})
         self._sample_prompts: list[torch.Tensor] = []
 
     # -- the algorithm -----------------------------------------------------------------------------
@@ -213,6 +214,11 @@ class DPOModule(SingleModelModule):
         if self.hparams.precompute_ref_logprobs and "val" not in self.ref_logps:
             self._precompute(("val",))  # validate() without fit()
 
+    @override
+    def on_test_start(self) -> None:
+        if self.hparams.precompute_ref_logprobs and "test" not in self.ref_logps:
+            self._precompute(("test",))
+
     # -- Lightning hooks ---------------------------------------------------------------------------
     @override
     def configure_model(self) -> None:
@@ -228,23 +234,40 @@ class DPOModule(SingleModelModule):
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, stats = self._step(batch, "val")
-        pairs = batch["input_ids"].shape[0] // 2
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
-        for name, value in stats.items():
-            self.val_metrics[name.replace("/", "__")].update(value, pairs)
-        if batch_idx == 0 and self.hparams.num_samples:
-            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+        self._eval_step("val", batch, batch_idx)
 
     @override
     def on_validation_epoch_end(self) -> None:
-        for key, metric in self.val_metrics.items():
+        self._eval_epoch_end("val")
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step("test", batch, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def _eval_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, stats = self._step(batch, stage)
+        pairs = batch["input_ids"].shape[0] // 2
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
+        metrics = getattr(self, f"{stage}_metrics")
+        for name, value in stats.items():
+            metrics[name.replace("/", "__")].update(value, pairs)
+        if batch_idx == 0 and self.hparams.num_samples:
+            self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        """Split means of the metrics (all pairs of all ranks) and the ``{stage}/samples`` table."""
+        for key, metric in getattr(self, f"{stage}_metrics").items():
             if metric.update_called:
-                self.log(f"val/{key.replace('__', '/')}", metric.compute(), prog_bar=key.endswith("accuracies"))
+                self.log(f"{stage}/{key.replace('__', '/')}", metric.compute(), prog_bar=key.endswith("accuracies"))
             metric.reset()
         if self._sample_prompts and not self.trainer.sanity_checking:
             texts = self.generate_text(self._sample_prompts, self.hparams.sample_max_new_tokens)
-            log_text_table(self, "val/samples", ["prompt", "completion"], texts)
+            log_text_table(self, f"{stage}/samples", ["prompt", "completion"], texts, step=logger_step(self.trainer))
+        self._sample_prompts = []
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -20,6 +20,8 @@ import torch
 from typing_extensions import override
 
 from lit_rlhf import functional as F
+from lit_rlhf.data.base import resolve_seed
+from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.guards import NonFiniteError, NonFinitePolicy, StepGuard, check_finite_weights, screen_scores
 from lit_rlhf.models import (
     ModelSpec,
@@ -35,6 +37,7 @@ from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models, unwrap
 from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
+from lit_rlhf.modules.online_eval import OnlineEvaluation, evaluation_settings
 from lit_rlhf.rewards import RewardSource
 from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
 
@@ -46,7 +49,7 @@ LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @internal_base
-class OnlineRLModule(OnlineBookkeeping):
+class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 
     The subclass documents and validates the arguments it passes on (its ``__init__`` is the config
@@ -56,7 +59,9 @@ class OnlineRLModule(OnlineBookkeeping):
     Args:
         actor, reward_model, reward_fn, monitor_reward_fn, reference, generation, forward_batch_size,
         num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
-        log_samples_every, num_log_samples, rng_seed, on_nonfinite: as documented by the subclass.
+        log_samples_every, num_log_samples, eval_generation, eval_greedy, rng_seed, on_nonfinite: as documented by the
+        subclass (``rng_seed=None`` follows ``seed_everything``; the resolved value is stored in the
+        hyper-parameters and the checkpoint, so a resumed or reloaded module rebuilds the same weights).
         metric_prefix: namespace of the update metrics (``ppo``, ``policy``).
         update_metrics: names of the update metrics (``*_max`` ones are maxima, the others means).
     """
@@ -83,7 +88,9 @@ class OnlineRLModule(OnlineBookkeeping):
         max_rollouts: int | None,
         log_samples_every: int,
         num_log_samples: int,
-        rng_seed: int,
+        eval_generation: GenerationSettings | dict | None,
+        eval_greedy: bool,
+        rng_seed: int | None,
         on_nonfinite: NonFinitePolicy,
         metric_prefix: str,
         update_metrics: Sequence[str],
@@ -95,6 +102,8 @@ class OnlineRLModule(OnlineBookkeeping):
         reward_model = None if reward_model is None else ModelSpec.coerce(reward_model, "reward_model")
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         self.generation = GenerationSettings.coerce(generation, "generation")
+        self.eval_generation = evaluation_settings(self.generation, eval_generation)
+        rng_seed = self.rng_seed = resolve_seed(rng_seed)
         check_online_args(
             name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every,
             on_nonfinite,
@@ -146,9 +155,10 @@ class OnlineRLModule(OnlineBookkeeping):
     def save_plain_hyperparameters(self, ignore: Sequence[str]) -> None:
         """``save_hyperparameters`` of the subclass's ``__init__`` arguments, with dataclasses (ModelSpec,
         GenerationSettings) stored as plain dicts, so ``hparams.yaml`` holds no ``!!python/object`` tags
-        and a checkpoint loads without unpickling library classes."""
+        and a checkpoint loads without unpickling library classes; ``rng_seed`` as resolved."""
         self.save_hyperparameters(ignore=list(ignore), frame=inspect.currentframe().f_back)
         for store in (self._hparams, self._hparams_initial):
+            store["rng_seed"] = self.rng_seed
             for key, value in store.items():
                 if is_dataclass(value) and not isinstance(value, type):
                     store[key] = asdict(value)
@@ -159,23 +169,39 @@ class OnlineRLModule(OnlineBookkeeping):
         """K, the responses sampled per prompt."""
         return self.generation.num_samples
 
-    def expand_prompts(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(G, P) prompts -> (G*K, P), each prompt's K copies contiguous (``repeat_interleave``)."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        if self.num_samples == 1:
+    def expand_prompts(
+        self, batch: dict[str, torch.Tensor], num_samples: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, P) prompts -> (G*K, P), checked, LEFT-padded, each prompt's K copies contiguous.
+
+        The batch must have the ``prompt`` layout (``lit_rlhf.data.contract``); right-padded rows are
+        left-padded here, so generation continues every prompt from its last real token (K defaults to
+        ``generation.num_samples``).
+        """
+        check_batch(batch, "prompt", type(self).__name__)
+        ids, mask = left_pad_prompts(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
+        k = self.num_samples if num_samples is None else num_samples
+        if k == 1:
             return ids, mask
-        return ids.repeat_interleave(self.num_samples, dim=0), mask.repeat_interleave(self.num_samples, dim=0)
+        return ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor):
-        """One sampled response per row: (responses (B, T), response_mask (B, T), truncated (B,))."""
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        settings: GenerationSettings | None = None,
+        greedy: bool = False,
+    ):
+        """One response per row (sampled with ``settings``, default ``generation``, or greedy):
+        (responses (B, T), response_mask (B, T), truncated (B,))."""
         was_training = self.actor.training
         self.actor.eval()
         with generation_context(self, self.actor):
             out = generate_responses(
-                self.actor, prompts, prompt_mask, self.generation,
+                self.actor, prompts, prompt_mask, settings or self.generation,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1,
+                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1, greedy=greedy,
             )  # fmt: skip
         self.actor.train(was_training)
         return out
@@ -190,14 +216,14 @@ class OnlineRLModule(OnlineBookkeeping):
         return logprobs, entropy, None
 
     def reference_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, temperature: float | None = None
     ) -> torch.Tensor:
-        """(B, T) log-probs of the reference policy (the actor with its LoRA adapters disabled if none)."""
+        """(B, T) log-probs of the reference policy (the actor with its LoRA adapters disabled if none),
+        at ``temperature`` (default: the rollout's)."""
+        temperature = self.generation.temperature if temperature is None else temperature
         with reference_logits_context(unwrap(self.actor)):
             ref_model = self.reference if self.reference is not None else self.actor
-            ref_logprobs, _, _ = policy_forward(
-                ref_model, input_ids, attention_mask, T, self.generation.temperature
-            )
+            ref_logprobs, _, _ = policy_forward(ref_model, input_ids, attention_mask, T, temperature)
         return ref_logprobs
 
     @torch.no_grad()

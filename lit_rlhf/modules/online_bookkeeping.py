@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_rlhf import functional as F
@@ -99,9 +100,10 @@ class OnlineBookkeeping(LightningModule):
             "buffer": self.buffer.state_dict(),
             "rollouts_done": self.rollouts_done,
             "step_guard": self.step_guard.state_dict(),
+            "rng_seed": self.rng_seed,  # as resolved (rng_seed=None follows seed_everything)
             # generate() samples from the global RNG; restoring it makes a resumed run sample identically
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # (during an evaluation, the training stream held aside: see OnlineEvaluation)
+            **self.training_rng_state(),
         }
 
     @override
@@ -111,6 +113,13 @@ class OnlineBookkeeping(LightningModule):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollouts_done = state["rollouts_done"]
+        saved_seed = state.get("rng_seed", self.rng_seed)
+        if saved_seed != self.rng_seed:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint was written with rng_seed={saved_seed}, this module has"
+                f" rng_seed={self.rng_seed}: weights rebuilt rather than loaded (frozen reference or reward"
+                f" models of random init) may differ. Pass rng_seed={saved_seed} (or the run's seed_everything)."
+            )
         # applied at the next training_step, after Lightning has finished restoring and set up the data
         self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
 

@@ -100,6 +100,45 @@ class AdamW(torch.optim.AdamW):
         )
 
 
+class PolicyAdamW(AdamW):
+    """:class:`AdamW` with the learning rate published for the policy of online RLHF on pretrained LMs:
+    1e-6, the actor default of OpenRLHF's PPO/GRPO trainers (``--actor_learning_rate``, Hu et al. 2024,
+    arXiv 2405.11143) and of TRL's ``GRPOConfig.learning_rate``. The default ``actor_optimizer`` of
+    :class:`~lit_rlhf.modules.PPOModule` and :class:`~lit_rlhf.modules.CriticFreeModule`."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-6,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, fused=fused)
+
+
+class CriticAdamW(AdamW):
+    """:class:`AdamW` with the critic learning rate published for PPO on pretrained LMs: 9e-6, OpenRLHF's
+    ``--critic_learning_rate`` default (Hu et al. 2024, arXiv 2405.11143). The default ``critic_optimizer``
+    of :class:`~lit_rlhf.modules.PPOModule`."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 9e-6,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, fused=fused)
+
+
 def _materialised(item):
     """A parameter group's ``params`` as a list (a generator could be consumed only once)."""
     if isinstance(item, dict) and not isinstance(item["params"], torch.Tensor):

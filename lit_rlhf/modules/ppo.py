@@ -23,7 +23,7 @@ from lit_rlhf.models import (
     policy_forward,
 )
 from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
-from lit_rlhf.modules.optim import AdamW, resolve_total_steps
+from lit_rlhf.modules.optim import CriticAdamW, PolicyAdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
 PPO_METRICS = (
@@ -74,15 +74,22 @@ class PPOModule(OnlineRLModule):
         missing_eos_penalty: subtracted from the score of a response truncated without a stop token.
         max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
         log_samples_every: log a prompt/response/score table every this many rollouts (0 = never).
-        num_log_samples: rows of that table.
-        rng_seed: seed of the model initialisations and the minibatch shuffling (named apart from the
-            DataModule's `seed`, since Lightning refuses equal hparam names with different values).
+        num_log_samples: rows of that table (and of the ``val/samples``/``test/samples`` tables).
+        eval_generation: settings of the evaluation rollouts of ``validate``/``test`` (and of validation
+            during fit): ``GenerationSettings``, or a dict of fields overriding ``generation`` with one
+            sample per prompt (None = exactly that).
+        eval_greedy: decode evaluation rollouts greedily (argmax) instead of sampling them.
+        rng_seed: seed of the model initialisations, the minibatch shuffling and the evaluation sampling
+            (named apart from the DataModule's `seed`, since Lightning refuses equal hparam names with
+            different values); None follows ``seed_everything`` (the value used is stored in the
+            hyper-parameters and checkpoints).
         on_nonfinite: what a NaN/inf score of the reward model or function does: ``raise`` (default:
             the fit stops, naming the rollout, the scorer and the prompt/response, before anything is
             learnt from it) or ``drop`` (those rows get no gradient and are counted in
             ``rollout/nonfinite_scores``). Non-finite losses or gradients are always skipped.
-        actor_optimizer: optimiser factory of the actor.
-        critic_optimizer: optimiser factory of the critic (or the shared value head).
+        actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
+        critic_optimizer: optimiser factory of the critic (or the shared value head); default AdamW at
+            lr 9e-6 (``CriticAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
         critic_scheduler: LR schedule of the critic, stepped once per rollout (None = constant).
     """
@@ -128,10 +135,12 @@ class PPOModule(OnlineRLModule):
         max_rollouts: int | None = None,
         log_samples_every: int = 10,
         num_log_samples: int = 4,
-        rng_seed: int = 0,
+        eval_generation: GenerationSettings | dict | None = None,
+        eval_greedy: bool = False,
+        rng_seed: int | None = None,
         on_nonfinite: Literal["raise", "drop"] = "raise",
-        actor_optimizer: OptimizerCallable = AdamW,
-        critic_optimizer: OptimizerCallable = AdamW,
+        actor_optimizer: OptimizerCallable = PolicyAdamW,
+        critic_optimizer: OptimizerCallable = CriticAdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
         critic_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -141,7 +150,8 @@ class PPOModule(OnlineRLModule):
             reference=reference, generation=generation, forward_batch_size=forward_batch_size,
             num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
-            log_samples_every=log_samples_every, num_log_samples=num_log_samples, rng_seed=rng_seed,
+            log_samples_every=log_samples_every, num_log_samples=num_log_samples,
+            eval_generation=eval_generation, eval_greedy=eval_greedy, rng_seed=rng_seed,
             on_nonfinite=on_nonfinite,
             metric_prefix="ppo", update_metrics=PPO_METRICS,
         )  # fmt: skip

@@ -1,0 +1,197 @@
+"""Evaluation rollouts of the online modules: ``validate`` and ``test``, and validation during ``fit``.
+
+A validation (test) step is an evaluation rollout on a batch of held-out prompts (the DataModule's
+validation or test loader): generate with ``eval_generation`` (sampled, or greedy with ``eval_greedy``),
+score with the reward source (adjusted as in training) and the monitor, measure the KL to the reference,
+and log means over the whole split as ``val/*`` (``test/*``) with a ``val/samples`` (``test/samples``)
+table. Nothing is updated.
+
+When it runs during ``fit`` follows Lightning's own settings, one training batch being one rollout:
+``check_val_every_n_epoch: null`` with ``val_check_interval: N`` evaluates every N rollouts (counted
+across epochs); the defaults evaluate at the end of every pass over the prompts; a run stopped by
+``max_rollouts`` evaluates once more at its end.
+
+Evaluation leaves the training RNG stream as it was, so a run with evaluations samples the same
+rollouts as one without, and resumes exactly: the global RNG is snapshot after each rollout and put back
+after the validation loop (whose DataLoader iterator draws from it), generation runs on a forked RNG
+seeded by (``rng_seed``, rank, batch index), and a checkpoint written during validation stores the
+training stream held aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+from lit_rlhf import functional as F
+from lit_rlhf.models import chunked, policy_forward
+from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.samples import log_text_table, logger_step
+from lit_rlhf.rollout import GenerationSettings
+
+EVAL_METRICS = ("score", "monitor_score", "kl_ref", "response_length", "eos_rate", "entropy")
+
+
+def rng_state() -> dict[str, Any]:
+    """The global torch RNG states (CPU, and every CUDA device when there is one)."""
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+@internal_base
+class OnlineEvaluation(LightningModule):
+    """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``generate``, ``rewards``,
+    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``eval_generation``, ``rng_seed``, ``tokenizer``)."""
+
+    _rng_after_rollout: dict[str, Any] | None = None
+    _eval_samples: list[tuple[str, str, str]] = []
+
+    # -- the training RNG stream around evaluations ---------------------------------------------------
+    def training_rng_state(self) -> dict[str, Any]:
+        """The RNG state training continues from: held aside during a validation inside ``fit``."""
+        trainer = self._trainer
+        if trainer is not None and trainer.validating and self._rng_after_rollout is not None:
+            return self._rng_after_rollout
+        return rng_state()
+
+    @override
+    def on_train_start(self) -> None:
+        self._rng_after_rollout = None
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._rng_after_rollout = rng_state()  # before a validation loop may draw from the global RNG
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.trainer.state.fn == "fit" and self._rng_after_rollout is not None:
+            set_rng_state(self._rng_after_rollout)
+            self._rng_after_rollout = None
+
+    @contextmanager
+    def evaluation_rng(self, batch_idx: int, dataloader_idx: int) -> Iterator[None]:
+        """A forked global RNG seeded by (rng_seed, rank, loader, batch): evaluation draws are repeatable
+        and the caller's RNG state is restored on exit."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            seed = hash((self.rng_seed, self.global_rank, dataloader_idx, batch_idx)) & (2**63 - 1)
+            torch.manual_seed(seed)
+            yield
+
+    @torch.no_grad()
+    def policy_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, P+T) sequences -> actor log-probs, reference log-probs and actor entropy, each (B, T), at
+        ``temperature``, in chunks of ``forward_batch_size`` rows (evaluation: no critic values)."""
+        parts: tuple[list[torch.Tensor], ...] = ([], [], [])
+        for rows in chunked(input_ids.shape[0], self.hparams.forward_batch_size):
+            ids, mask = input_ids[rows], attention_mask[rows]
+            logprobs, entropy, _ = policy_forward(self.actor, ids, mask, T, temperature)
+            for part, value in zip(parts, (logprobs, self.reference_logprobs(ids, mask, T, temperature), entropy)):
+                part.append(value)
+        return tuple(torch.cat(part) for part in parts)
+
+    # -- Lightning's evaluation hooks -----------------------------------------------------------------
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluation_step("val", batch, batch_idx, dataloader_idx)
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluation_step("test", batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log_evaluation_samples("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self.log_evaluation_samples("test")
+
+    @torch.no_grad()
+    def evaluation_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int) -> None:
+        """One evaluation rollout on a batch of held-out prompts; logs ``{stage}/<metric>`` split means."""
+        settings, hp = self.eval_generation, self.hparams
+        # 1. Check and left-pad the prompts; K = eval_generation.num_samples copies of each.
+        prompts, prompt_mask = self.expand_prompts(batch, settings.num_samples)
+        # 2. Generate on a forked, seeded RNG (sampled, or greedy with eval_greedy).
+        with self.evaluation_rng(batch_idx, dataloader_idx):
+            responses, response_mask, truncated = self.generate(prompts, prompt_mask, settings, hp.eval_greedy)
+        input_ids = torch.cat([prompts, responses], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        T = responses.shape[1]
+        # 3. Score as in training, the monitor on the side, and the KL to the reference (same estimator).
+        scores = self.adjust_scores(
+            self.rewards.score(input_ids, attention_mask, T, hp.forward_batch_size), truncated
+        )  # (B,)
+        logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
+        kl = F.kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)  # (B, T)
+        metrics = {
+            "score": scores.mean(),
+            "kl_ref": F.masked_row_sum(kl, response_mask).mean(),
+            "response_length": response_mask.sum(1).float().mean(),
+            "eos_rate": 1.0 - truncated.float().mean(),
+            "entropy": F.masked_mean(entropy, response_mask),
+        }
+        if self.monitor is not None:
+            metrics["monitor_score"] = self.monitor.score(input_ids, attention_mask, T, hp.forward_batch_size).mean()
+        # 4. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
+        for name, value in metrics.items():
+            self.log(
+                f"{stage}/{name}", value.float(), prog_bar=name in ("score", "kl_ref"),
+                batch_size=responses.shape[0], sync_dist=True, on_step=False, on_epoch=True,
+            )  # fmt: skip
+        if batch_idx == 0 and dataloader_idx == 0:
+            self._eval_samples = self.sample_rows(prompts, responses, response_mask, scores)
+
+    def sample_rows(self, prompts, responses, response_mask, scores) -> list[tuple[str, str, str]]:
+        """The first ``num_log_samples`` (prompt, response, score) rows of a rollout, as text."""
+        n = self.hparams.num_log_samples
+        texts = self.tokenizer.batch_decode(prompts[:n], skip_special_tokens=True)
+        answers = self.rewards.decode_responses(responses[:n], response_mask[:n])
+        return [(p, r, f"{s:.3f}") for p, r, s in zip(texts, answers, scores[:n].tolist())]
+
+    def log_evaluation_samples(self, stage: str) -> None:
+        """The ``{stage}/samples`` table, at the rollout index during ``fit`` (the step of that rollout's
+        scalars and of this validation's), else at the step Lightning logs the scalars."""
+        rows, self._eval_samples = self._eval_samples, []
+        if not rows or self.trainer.sanity_checking:
+            return
+        fitting = self.trainer.state.fn == "fit"
+        step = max(self.rollouts_done - 1, 0) if fitting else logger_step(self.trainer)
+        log_text_table(self, f"{stage}/samples", ["prompt", "response", "score"], rows, step=step)
+
+
+def evaluation_settings(
+    generation: GenerationSettings, eval_generation: GenerationSettings | dict | None
+) -> GenerationSettings:
+    """The settings of evaluation rollouts: ``eval_generation`` as given, or (None or a dict of fields)
+    the training ``generation`` with one sample per prompt, the dict's fields overriding."""
+    if isinstance(eval_generation, GenerationSettings):
+        return eval_generation
+    overrides = dict(eval_generation or {})
+    if not isinstance(eval_generation, (dict, type(None))):
+        raise TypeError(
+            f"eval_generation: expected GenerationSettings, a dict of its fields or None, "
+            f"got {type(eval_generation).__name__}"
+        )
+    names = [f.name for f in fields(GenerationSettings)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(f"eval_generation: unknown GenerationSettings field(s) {unknown}; valid ones are {names}")
+    return replace(generation, **{"num_samples": 1, **overrides})
