@@ -71,10 +71,12 @@ class OnlineEvaluation(LightningModule):
     @override
     def on_train_start(self) -> None:
         self._rng_after_rollout = None
+        super().on_train_start()  # the other bases' hooks (e.g. the run-length schedules) run too
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._rng_after_rollout = rng_state()  # before a validation loop may draw from the global RNG
+        super().on_train_batch_end(outputs, batch, batch_idx)
 
     @override
     def on_validation_end(self) -> None:
