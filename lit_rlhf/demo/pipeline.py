@@ -75,6 +75,10 @@ class Algorithm:
 # and a `curve_every` in its own optimiser steps.
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "grpo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "rloo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "reinforce_pp": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "dpo": Algorithm(policy_subdir="", policy_attribute="model", online=False, curve_every=10),
 }
 DEFAULT_ALGORITHMS = ("ppo",)
 
