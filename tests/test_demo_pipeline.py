@@ -1,4 +1,4 @@
-"""The demo pipeline: a miniature end-to-end run (--small) with two algorithms and two seeds, and its helpers."""
+"""The demo pipeline: a miniature end-to-end run (--small) with four algorithms (PPO, a copy of it, GRPO, DPO) and two seeds, and its helpers."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_mee
 # A second algorithm for the side-by-side: PPO's own config under another name (same settings and seeds,
 # so its figures must equal PPO's: the stages are deterministic in their own processes).
 PPO_COPY = pipeline.Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), config="ppo")
-ARGS = ["--small", "--algorithms", "ppo,ppo_copy", "--seeds", "2", "--threads", "1"]
+ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo", "--seeds", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_small_pipeline_writes_the_report(small_run):
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
-    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1"}
+    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1"}
     stages_run = summary["wall_s_per_stage"]
     assert set(stages_run) == {"assets", "sft", "rm", "rm_weak", "ppo_overoptimize", "evaluate", "report"} | runs
     assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
@@ -58,13 +58,14 @@ def test_small_pipeline_writes_the_report(small_run):
     assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
     assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
     report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
-    assert "| ppo | 0,1 |" in report_md and "| ppo_copy | 0,1 |" in report_md
+    for name in ("ppo", "ppo_copy", "grpo", "dpo"):
+        assert f"| {name} | 0,1 |" in report_md, name
     assert "2 training seeds per algorithm" in report_md
 
 
 def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
     out, summary, _ = small_run
-    assert list(summary["algorithms"]) == ["ppo", "ppo_copy"]
+    assert list(summary["algorithms"]) == ["ppo", "ppo_copy", "grpo", "dpo"]
     for name, entry in summary["algorithms"].items():
         assert set(entry) == ALGORITHM_KEYS, name
         assert [s["seed"] for s in entry["seeds"]] == [0, 1]
@@ -93,9 +94,10 @@ def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
 def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     _, first, again = small_run
     assert set(again["reused_stages"]) == {
-        "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "rm_weak", "ppo_overoptimize",
+        "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
+        "rm_weak", "ppo_overoptimize",
     }  # fmt: skip
-    for name in ("ppo", "ppo_copy"):
+    for name in ("ppo", "ppo_copy", "grpo", "dpo"):
         assert again["algorithms"][name]["seeds"] == [
             {**seed, "reused": True} for seed in first["algorithms"][name]["seeds"]
         ]
@@ -109,14 +111,16 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
 
 def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
     out, _, _ = small_run
-    for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "rm_weak", "ppo_overoptimize/actor"):
+    for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "grpo/actor", "dpo", "rm_weak",
+                   "ppo_overoptimize/actor"):  # fmt: skip
         assert (out / folder / "config.json").exists(), folder
-    for stage in ("sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "rm_weak", "ppo_overoptimize"):
+    for stage in ("sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "grpo", "dpo", "rm_weak", "ppo_overoptimize"):
         assert list((out / "tb" / stage).glob("events.out.tfevents.*")), stage
     ppo = report.read_scalars(out / "tb" / "ppo")
     # one point per rollout for the curves of the report; the gold curve's points beside them
     assert len(ppo["rollout/kl_ref"]) == len(ppo["rollout/monitor_score"]) == 2
     assert [step for step, _ in ppo["heldout/gold_mean"]] == [0, 1, 2]
+    assert not (out / "grpo" / "critic").exists()  # critic-free
 
 
 def test_held_out_sampling_leaves_the_global_random_state_alone(small_run):

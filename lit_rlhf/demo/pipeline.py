@@ -75,8 +75,13 @@ class Algorithm:
 # and a `curve_every` in its own optimiser steps.
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "grpo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "rloo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "reinforce_pp": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
+    "dpo": Algorithm(policy_subdir="", policy_attribute="model", online=False, curve_every=10),
 }
-DEFAULT_ALGORITHMS = ("ppo",)
+# `make demo` (under 15 min from a fresh clone on an idle 2-core CPU): PPO, GRPO and DPO; the rest by flag.
+DEFAULT_ALGORITHMS = ("ppo", "grpo", "dpo")
 
 
 def parse_seeds(text: str) -> list[int]:

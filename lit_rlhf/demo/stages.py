@@ -35,6 +35,13 @@ _TINY_PPO = {
     "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
     "data": {"init_args": {"batch_size": 8}},
 }
+# The critic-free miniatures sample as many responses as _TINY_PPO (2 rollouts x 8 prompts x 1): K = 4
+# responses to 2 prompts, or one response to each of 8.
+_TINY_GROUP = {
+    "trainer": {"enable_model_summary": False},
+    "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
+    "data": {"init_args": {"batch_size": 2}},
+}
 # --small: a miniature of every stage (tests), merged into the configs. An algorithm without an entry
 # here runs its own config unchanged under --small.
 SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -47,6 +54,14 @@ SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
     "rm_weak": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
     "ppo": _TINY_PPO,
     "ppo_overoptimize": _TINY_PPO,
+    "grpo": _TINY_GROUP,
+    "rloo": _TINY_GROUP,
+    "reinforce_pp": _TINY_PPO,
+    "dpo": {  # 2 optimiser steps: its gold curve has as many points as the online miniatures'
+        "trainer": {**_TINY_TRAINER, "max_steps": 2},
+        "model": {"init_args": {"num_samples": 2}},
+        "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}},
+    },
 }
 
 
