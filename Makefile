@@ -1,5 +1,5 @@
 # The two set-up commands of the README:
-#   make demo   - the main job: the offline SFT -> RM -> PPO demo pipeline (report in runs/demo/)
+#   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/)
 #   make test   - ruff + the default test suite
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
 # the default is the CPU wheel this project's machines carry; a GPU user sets e.g.
