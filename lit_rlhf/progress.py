@@ -48,6 +48,7 @@ class LitProgressBar(TQDMProgressBar):
         self.tty = tty
         self._last_line = -math.inf
         self._start = time.monotonic()
+        self._epoch_total: int | float | None = None
 
     @property
     def is_tty(self) -> bool:
@@ -96,9 +97,18 @@ class LitProgressBar(TQDMProgressBar):
         self._start = time.monotonic()
 
     @override
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        # read once per epoch (a resumable sampler's length shrinks as it is consumed), capped by max_steps
+        total = self.total_train_batches
+        if trainer.max_steps and trainer.max_steps > 0 and total not in (None, math.inf):
+            total = min(total, trainer.max_steps - trainer.global_step)
+        self._epoch_total = total
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        n, total = batch_idx + 1, self.total_train_batches
+        n, total = batch_idx + 1, self._epoch_total
         total_text = "?" if total in (None, math.inf) else int(total)
         epochs = "" if trainer.max_epochs in (None, -1) else f"/{trainer.max_epochs}"
         self.print_line(
