@@ -78,7 +78,7 @@ def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         (B,) tensor in the dtype of ``x`` (float32 at least); 0 for a row without real elements.
     """
     check_same_shape("masked_row_sum", x=x, mask=mask)
-    return torch.where(mask.bool(), as_float(x), 0.0).sum(dim=1)
+    return masked_sum(x, mask, dim=1)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
