@@ -26,6 +26,7 @@ _EXPORTS = {
     "DataFormatError": "lit_rlhf.data",
     "ModelSpec": "lit_rlhf.models",
     "HFExport": "lit_rlhf.callbacks",
+    "PeakMemory": "lit_rlhf.callbacks",
     "RolloutProgressBar": "lit_rlhf.progress",
     "LitProgressBar": "lit_rlhf.progress",
     "GenerationSettings": "lit_rlhf.rollout",
@@ -34,11 +35,11 @@ _EXPORTS = {
 __all__ = [  # noqa: RUF022 (grouped like _EXPORTS)
     "SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "WarmupCosineLR",
     "SFTDataModule", "PreferenceDataModule", "PromptDataModule", "DataFormatError",
-    "ModelSpec", "HFExport", "RolloutProgressBar", "LitProgressBar", "GenerationSettings",
+    "ModelSpec", "HFExport", "PeakMemory", "RolloutProgressBar", "LitProgressBar", "GenerationSettings",
 ]  # fmt: skip
 
 if TYPE_CHECKING:
-    from lit_rlhf.callbacks import HFExport
+    from lit_rlhf.callbacks import HFExport, PeakMemory
     from lit_rlhf.data import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
     from lit_rlhf.models import ModelSpec
     from lit_rlhf.modules import (

@@ -74,6 +74,8 @@ def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
             for metric in ("gold_mean", "kl_ref", "grammatical_rate", "train_s", "wall_s", "peak_rss_mb"):
                 assert isinstance(seed[metric], float) and math.isfinite(seed[metric]), (name, metric)
             assert seed["peak_rss_mb"] > 100  # a process that imported torch
+            growth = seed["train_peak_rss_growth_mb"]  # PeakMemory's file of the run
+            assert isinstance(growth, float) and 0.0 <= growth < seed["peak_rss_mb"], (name, growth)
             # The miniature SFT policy writes no grammatical review: gold has no spread, lift is undefined.
             assert summary["sft_gold_std"] == 0.0 and seed["gold_lift_sft_std"] is None
             assert seed["time_to_target_s"] is None and seed["steps_to_target"] is None

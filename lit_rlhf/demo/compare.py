@@ -2,7 +2,9 @@
 
 Per run (one algorithm, one training seed): the final evaluation on every held-out prompt (gold mean,
 lift over the SFT policy in SFT standard deviations, KL to the SFT reference, grammatical rate), the
-stage's wall seconds and peak RSS (its own process), its training seconds (evaluation excluded) and the
+stage's wall seconds and peak RSS (its own process), the growth of its resident set during training
+(:class:`~lit_rlhf.callbacks.PeakMemory`: what the algorithm itself holds, without imports and loading),
+its training seconds (evaluation excluded) and the
 time to target of its gold curve (:mod:`lit_rlhf.demo.curves`). Per algorithm: the mean, sample standard
 deviation and minimum of each figure over its seeds, and the per-seed values.
 """
@@ -17,7 +19,7 @@ from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, lift, target_point
 
 METRICS = (
     "gold_mean", "gold_lift_sft_std", "kl_ref", "grammatical_rate",
-    "time_to_target_s", "steps_to_target", "train_s", "wall_s", "peak_rss_mb",
+    "time_to_target_s", "steps_to_target", "train_s", "wall_s", "peak_rss_mb", "train_peak_rss_growth_mb",
 )  # fmt: skip
 MIN_GRAMMATICAL_RATE = 0.95  # the demo's target also keeps >= 95% of the reviews grammatical
 
@@ -27,8 +29,17 @@ def read_curve(path: str | Path) -> list[dict]:
     return json.loads(Path(path).read_text())["points"]
 
 
-def seed_figures(run: str, seed: int, summary: dict, sft: dict, points: list[dict], record) -> dict:
-    """The figures of one run: final evaluation ``summary`` against the SFT one, its curve and stage record."""
+def read_memory(path: str | Path) -> float | None:
+    """Training's peak RSS growth in MB from :class:`~lit_rlhf.callbacks.PeakMemory`'s file (None if absent)."""
+    path = Path(path)
+    return json.loads(path.read_text()).get("train_peak_rss_growth_mb") if path.is_file() else None
+
+
+def seed_figures(
+    run: str, seed: int, summary: dict, sft: dict, points: list[dict], record, train_memory_mb: float | None = None
+) -> dict:
+    """The figures of one run: final evaluation ``summary`` against the SFT one, its curve, stage record and
+    training peak-memory growth (``train_memory_mb``)."""
     gold_lift = (summary["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None
     target = target_point(points)
     figures = {
@@ -43,6 +54,7 @@ def seed_figures(run: str, seed: int, summary: dict, sft: dict, points: list[dic
         "train_s": points[-1]["seconds"],
         "wall_s": record.wall_s,
         "peak_rss_mb": record.peak_rss_mb,
+        "train_peak_rss_growth_mb": train_memory_mb,
         "reused": record.reused,
         "curve_prompts": points[0]["n_prompts"],
     }
@@ -97,6 +109,7 @@ def table_md(algorithms: dict[str, dict]) -> list[str]:
         ("time to target (s)", "time_to_target_s", ".1f"), ("steps to target", "steps_to_target", ".0f"),
         ("train s", "train_s", ".0f"),
         ("wall s", "wall_s", ".0f"), ("peak RSS MB", "peak_rss_mb", ".0f"),
+        ("training peak RSS growth MB", "train_peak_rss_growth_mb", ".0f"),
     )  # fmt: skip
     lines = ["| algorithm | seeds | " + " | ".join(c[0] for c in columns) + " | seeds on target |"]
     lines.append("|---|---|" + "---|" * len(columns) + "---|")

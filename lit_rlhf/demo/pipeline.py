@@ -144,6 +144,9 @@ def algorithm_config(name: str, seed: int, out: Path, small: bool) -> tuple[str,
         "temperature": EVAL_TEMPERATURE,
     }
     callbacks.append({"class_path": "lit_rlhf.demo.curves.GoldCurve", "init_args": curve})
+    # After GoldCurve: its evaluation models are loaded before the training peak is measured from.
+    memory = {"output": str(out / "memory" / f"{run}.json")}
+    callbacks.append({"class_path": "lit_rlhf.callbacks.PeakMemory", "init_args": memory})
     return run, config
 
 

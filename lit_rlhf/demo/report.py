@@ -189,7 +189,9 @@ def write_report(
         for record in records:
             points = compare.read_curve(out / "curves" / f"{record.run}.json")
             seed = record.config["seed_everything"]
-            seeds.append(compare.seed_figures(record.run, seed, results[record.run]["summary"], sft, points, record))
+            memory = compare.read_memory(out / "memory" / f"{record.run}.json")
+            summary = results[record.run]["summary"]
+            seeds.append(compare.seed_figures(record.run, seed, summary, sft, points, record, memory))
             gold_curves.setdefault(name, []).append(points)
         algorithms[name] = compare.aggregate(seeds)
     plots["algorithms_gold"] = out / "algorithms_gold.png"
