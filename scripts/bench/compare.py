@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,8 @@ def main() -> None:
     parser.add_argument("--assets", help="reuse (or create) the assets in this folder instead of a temp one")
     parser.add_argument("--out", help="also write every raw result and the summary to this JSON file")
     args = parser.parse_args()
+    # absolute (runs start in a temp folder), but not resolved: a venv's python is a symlink
+    args.trl_python = os.path.abspath(args.trl_python)
     names = selected(args)
     if "flops" in names and args.a.startswith("trl"):
         log("skipping the FLOP-utilisation run: it measures lit_rlhf (A), not TRL")
@@ -184,6 +187,8 @@ def main() -> None:
             log(f"{name}: {args.repeats} x ({args.a}, {args.b})")
             results["runs"][name] = runner.alternate(script, *extra)
     results["wall_s"] = time.perf_counter() - start
+    if args.out:  # the raw results first: a fault in the tables loses no measurement
+        Path(args.out).write_text(json.dumps(results, indent=1))
     results["summary"] = summary(results["runs"])
     header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}, size={args.size}"
     print(f"\n## lit_rlhf benchmarks ({header})\n")

@@ -187,6 +187,7 @@ def main() -> None:
     emit(
         dict(
             impl=args.impl,
+            workload="W1_grpo",
             size=args.size,
             threads=torch.get_num_threads(),
             actor_params=actor_params,

@@ -63,7 +63,7 @@ SIZES = {
         rm_pairs_per_step=2,
         rm_steps=2,
         dpo_pairs_per_step=2,
-        dpo_steps=2,
+        dpo_steps=1,
         control_rollouts=2,
         control_rm_steps=10,
     ),
