@@ -1,11 +1,15 @@
-"""lit_rlhf vs TRL, side by side in one invocation: PPO, reward model, matmul peak and FLOP utilisation.
+"""lit_rlhf vs TRL, side by side in one invocation: the realistic workloads of issue 16 (W1 GRPO, W2 RM
+and DPO, W3 PPO), the fixed-length controls (PPO, reward model), matmul peak and FLOP utilisation.
 
     .venv/bin/python scripts/bench/compare.py --trl-python .bench-venv/bin/python [--threads 1]
+        [--workloads W1_grpo,W2_dpo] [--size full|smoke] [--repeats 3] [--out results.json]
 
 Builds the shared assets once (tokenizer, initial weights, prompts, pairs), then runs every benchmark as
 its own subprocess (so peak RSS is per run), alternating the two implementations (A B, B A, A B, ...)
 so that load from other jobs on a shared machine hits both alike, and prints Markdown tables of
-medians with min-max spreads and the A/B ratio's min / median / max over the repeat pairs.
+medians with min-max spreads and the A/B ratio's min / median / max over the repeat pairs. ``--out``
+writes the raw results and ``"summary": {workload: {"throughput_ratio", "rss_ratio", ...}}`` (medians
+of A/B over the repeat pairs, report.summary).
 
 Implementations are ``lit`` (the installed lit_rlhf), ``lit@DIR`` (lit_rlhf imported from DIR, e.g. a
 patched copy, for A/B tests of an optimisation) and ``trl``. Run ``scripts/bench/setup.sh`` first.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import PPO, RESULT_PREFIX, child_env, log  # noqa: E402
-from report import flops_table, ppo_table, rm_table, versions_line  # noqa: E402
+from report import flops_table, ppo_table, rm_table, summary, summary_table, versions_line  # noqa: E402
+from workloads import SIZES, WORKLOADS, assets_dir  # noqa: E402
 
 
 class Runner:
@@ -63,6 +69,76 @@ class Runner:
         return pairs
 
 
+def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Workload name -> (benchmark script, its arguments) at ``args.size``."""
+    size = SIZES[args.size]
+    rollouts = args.rollouts or size["control_rollouts"]
+    rm_steps = args.rm_steps or size["control_rm_steps"]
+    sized = ("--size", args.size)
+    return {
+        "W1_grpo": ("grpo_bench.py", sized),
+        "W2_rm": ("pair_bench.py", ("--algo", "rm", *sized)),
+        "W2_dpo": ("pair_bench.py", ("--algo", "dpo", *sized)),
+        "W3_ppo": ("ppo_bench.py", ("--workload", "W3_ppo", "--rollouts", str(size["ppo_rollouts"]), *sized)),
+        "control_ppo": ("ppo_bench.py", ("--rollouts", str(rollouts))),
+        "control_rm": ("rm_bench.py", ("--steps", str(rm_steps), "--warmup", str(args.rm_warmup))),
+    }
+
+
+def selected(args) -> list[str]:
+    """The workloads (and ``flops``) to run, in WORKLOADS order; ``all`` = every workload, plus the
+    FLOP-utilisation section at the full size."""
+    if args.workloads == "all":
+        return [*WORKLOADS, *(["flops"] if args.size == "full" else [])]
+    names = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    unknown = sorted(set(names) - {*WORKLOADS, "flops"})
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOADS)}, flops or all")
+    return [name for name in (*WORKLOADS, "flops") if name in names]
+
+
+def build_assets(args, names: list[str]) -> None:
+    """Build the missing assets in subprocesses (this driver stays small, see common.peak_rss_mb)."""
+    assets, env = Path(args.assets), child_env(args.threads)
+    assets.mkdir(parents=True, exist_ok=True)
+    if {"control_ppo", "control_rm", "flops"} & set(names) and not (assets / "pairs.json").exists():
+        log(f"building the control assets in {assets}")
+        cmd = [sys.executable, str(HERE / "common.py"), str(assets)]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+    if set(names) & {"W1_grpo", "W2_rm", "W2_dpo", "W3_ppo"} and not (
+        assets_dir(assets, args.size) / "reward" / "config.json"
+    ).exists():
+        log(f"building the 32k-vocabulary assets ({args.size}) in {assets_dir(assets, args.size)}")
+        cmd = [sys.executable, str(HERE / "workloads.py"), str(assets), args.size]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+
+
+def tables(results: dict, a: str, b: str) -> list[str]:
+    runs = results["runs"]
+    titled = {
+        "W1_grpo": "W1 GRPO: K = 8 responses of <= 64 tokens (EOS-stopped) per prompt of 64-256 tokens, vocab 32k",
+        "W3_ppo": "W3 PPO: responses of <= 64 tokens (EOS-stopped), prompts of 16-256 tokens, vocab 32k",
+    }
+    out = []
+    for name, pairs in runs.items():
+        if name == "control_ppo":
+            out.append(ppo_table(pairs, a, b, PPO, rss_target="<= 0.8x"))
+        elif name in titled:
+            run = pairs[0][0]
+            title = f"{titled[name]}, {run['actor_params'] / 1e6:.1f}M-parameter Llama actor"
+            out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "<= 0.7x"))
+        elif name == "control_rm":
+            out.append(rm_table(pairs, a, b))
+        else:
+            what = "Reward model (Llama classifier)" if name == "W2_rm" else "DPO (Llama causal LM)"
+            title = (
+                f"{name} {what}: prompts 64-512 tokens, chosen/rejected 16-128, vocab 32k, "
+                f"{pairs[0][0]['params'] / 1e6:.1f}M parameters"
+            )
+            out.append(rm_table(pairs, a, b, title))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -71,52 +147,55 @@ def main() -> None:
     parser.add_argument("--a", default="lit", help="first implementation (numerator of the ratios)")
     parser.add_argument("--b", default="trl", help="second implementation (denominator)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (equal for both)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation and benchmark")
-    parser.add_argument("--rollouts", type=int, default=4, help="PPO rollouts per run, the first one untimed")
-    parser.add_argument("--rm-steps", type=int, default=60, help="timed reward-model steps per run")
-    parser.add_argument("--rm-warmup", type=int, default=5, help="untimed reward-model steps before them")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation and workload")
+    parser.add_argument(
+        "--workloads", default="all",
+        help=f"comma-separated subset of {','.join(WORKLOADS)},flops (default: all; flops only at --size full)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="full",
+        help="work per run (workloads.SIZES): full (run.sh's figures) or smoke (< 1 min per workload)",
+    )  # fmt: skip
+    parser.add_argument("--rollouts", type=int, help="control PPO rollouts per run, the first one untimed")
+    parser.add_argument("--rm-steps", type=int, help="timed control reward-model steps per run")
+    parser.add_argument("--rm-warmup", type=int, default=5, help="untimed control RM steps before them")
     parser.add_argument("--flops-rollouts", type=int, default=3, help="PPO rollouts of the >= 20M model")
-    parser.add_argument("--only", default="ppo,rm,flops", help="comma-separated subset of ppo,rm,flops")
     parser.add_argument("--assets", help="reuse (or create) the assets in this folder instead of a temp one")
-    parser.add_argument("--out", help="also write every raw result to this JSON file")
+    parser.add_argument("--out", help="also write every raw result and the summary to this JSON file")
     args = parser.parse_args()
-    sections = set(args.only.split(","))
+    # absolute (runs start in a temp folder), but not resolved: a venv's python is a symlink
+    args.trl_python = os.path.abspath(args.trl_python)
+    names = selected(args)
+    if "flops" in names and args.a.startswith("trl"):
+        log("skipping the FLOP-utilisation run: it measures lit_rlhf (A), not TRL")
+        names.remove("flops")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lit_rlhf_bench_") as tmp:
         if args.assets is None:
             args.assets = str(Path(tmp) / "assets")
-        assets = Path(args.assets)
-        if not (assets / "pairs.json").exists():
-            log(f"building assets in {assets}")
-            assets.mkdir(parents=True, exist_ok=True)
-            # in a subprocess: this driver stays small, see common.peak_rss_mb
-            cmd = [sys.executable, str(HERE / "common.py"), str(assets)]
-            subprocess.run(cmd, env=child_env(args.threads), check=True, capture_output=True)
-        runner = Runner(args, Path(tmp))
-        results: dict = {"threads": args.threads, "a": args.a, "b": args.b}
-        if "ppo" in sections:
-            log(f"PPO: {args.repeats} x ({args.a}, {args.b}), {args.rollouts} rollouts each")
-            results["ppo"] = runner.alternate("ppo_bench.py", "--rollouts", str(args.rollouts))
-        if "rm" in sections:
-            log(f"RM: {args.repeats} x ({args.a}, {args.b}), {args.rm_steps} steps each")
-            results["rm"] = runner.alternate(
-                "rm_bench.py", "--steps", str(args.rm_steps), "--warmup", str(args.rm_warmup)
-            )
-        if "flops" in sections and args.a.startswith("trl"):
-            log("skipping the FLOP-utilisation run: it measures lit_rlhf (A), not TRL")
-            sections.discard("flops")
-        if "flops" in sections:
-            log("matmul peak, then lit_rlhf PPO on the >= 20M-parameter model")
-            results["peak"] = runner.run("matmul_peak.py", "lit")
-            flop_args = ("--model", "large", "--rollouts", str(args.flops_rollouts), "--count-flops")
-            results["flops"] = runner.run("ppo_bench.py", args.a, *flop_args)
+        build_assets(args, names)
+        runner, jobs = Runner(args, Path(tmp)), workload_jobs(args)
+        results: dict = {"threads": args.threads, "a": args.a, "b": args.b, "size": args.size, "runs": {}}
+        for name in names:
+            if name == "flops":
+                log("matmul peak, then lit_rlhf PPO on the >= 20M-parameter model")
+                results["peak"] = runner.run("matmul_peak.py", "lit")
+                flop_args = ("--model", "large", "--rollouts", str(args.flops_rollouts), "--count-flops")
+                results["flops"] = runner.run("ppo_bench.py", args.a, *flop_args)
+                continue
+            script, extra = jobs[name]
+            log(f"{name}: {args.repeats} x ({args.a}, {args.b})")
+            results["runs"][name] = runner.alternate(script, *extra)
     results["wall_s"] = time.perf_counter() - start
-    header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}"
+    if args.out:  # the raw results first: a fault in the tables loses no measurement
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    results["summary"] = summary(results["runs"])
+    header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}, size={args.size}"
     print(f"\n## lit_rlhf benchmarks ({header})\n")
-    if "ppo" in results:
-        print(ppo_table(results["ppo"], args.a, args.b, PPO))
-    if "rm" in results:
-        print(rm_table(results["rm"], args.a, args.b))
+    if results["runs"]:
+        print(summary_table(results["summary"], args.a, args.b))
+    for table in tables(results, args.a, args.b):
+        print(table)
     if "flops" in results:
         print(flops_table(results["peak"], results["flops"], PPO))
     print(versions_line(results))

@@ -1,7 +1,13 @@
 """One PPO benchmark run of lit_rlhf or TRL (one process per run, so peak RSS is the run's own).
 
     python scripts/bench/ppo_bench.py --impl lit|trl --assets DIR [--model small|large] [--rollouts 5]
-        [--warmup 1] [--threads 1] [--count-flops] [--profile FILE]
+        [--warmup 1] [--threads 1] [--count-flops] [--profile FILE] [--workload control|W3_ppo --size full]
+
+``--workload control`` (default) is issue 7's fixed-length control: common.PPO, 16-token prompts, no
+early stop. ``--workload W3_ppo`` is issue 16's W3: prompts of 16-256 tokens, responses of up to 64
+tokens that stop at EOS (the calibrated actor of workloads.py), vocabulary 32,000, workloads.PPO32K
+settings (temperature 1, 2 epochs x 2 minibatches) and workloads.SIZES[size] prompts and rollouts; the
+result then also lists the real response tokens of every rollout (EOS included).
 
 Prints one ``BENCH_RESULT {json}`` line: per-rollout phase times (generation / scoring / update /
 other / total, see common.Timeline), peak RSS, and with --count-flops the update phase's FLOPs counted
@@ -26,11 +32,27 @@ from common import (
     load_json,
     set_threads,
 )  # noqa: E402
+from workloads import MAX_NEW_TOKENS, PPO32K, SIZES, assets_dir, load_rows  # noqa: E402
 
 
-def prompt_rows(assets: Path, n: int) -> list[list[int]]:
-    prompts = load_json(assets / "prompts.json")
-    return [prompts[i % len(prompts)] for i in range(n)]
+def workload(args) -> tuple[dict, Path, list[list[int]]]:
+    """(settings, models folder, prompts of every rollout) of ``args.workload``."""
+    if args.workload == "control":
+        prompts = load_json(Path(args.assets) / "prompts.json")
+        rows = [prompts[i % len(prompts)] for i in range(PPO["batch"] * args.rollouts)]
+        return PPO, Path(args.assets) / args.model, rows
+    size = SIZES[args.size]
+    settings = dict(
+        PPO, **PPO32K, batch=size["ppo_batch"], response_len=MAX_NEW_TOKENS, vocab=32000, eos_stop=True
+    )
+    prompts = load_rows(args.assets, args.size)["ppo_prompts"][: size["ppo_batch"] * args.rollouts]
+    return settings, assets_dir(args.assets, args.size), [p["ids"] for p in prompts]
+
+
+def count_response_tokens(responses, eos: int, pad: int) -> int:
+    """Real tokens of (B, T) sampled responses: up to and including the first EOS, never padding."""
+    is_eos = (responses == eos).int()
+    return int(((is_eos.cumsum(1) - is_eos == 0) & (responses != pad)).sum())
 
 
 def count_flops(fn, sink: list[int]):
@@ -43,10 +65,11 @@ def count_flops(fn, sink: list[int]):
     return out
 
 
-def run_lit(args, timeline: Timeline, flops: list[int]):
+def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
     import torch
     from lightning.pytorch import Callback, Trainer
 
+    from lit_rlhf.data.collators import PromptCollator
     from lit_rlhf.models import ModelSpec
     from lit_rlhf.modules import PPOModule
     from lit_rlhf.rollout import GenerationSettings
@@ -56,6 +79,7 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
             timeline.mark("gen_start")
             out = super().generate(prompts, prompt_mask)
             timeline.mark("gen_end")
+            tokens.append(int(out[1].sum()))  # (responses, response_mask, truncated)
             return out
 
         def ppo_epochs(self):
@@ -71,23 +95,23 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             timeline.mark("iter_end")
 
-    models = Path(args.assets) / args.model
-    actor_opt = default_optimizer(PPOModule, "actor_optimizer", lr=PPO["lr"], weight_decay=0.0)
-    critic_opt = default_optimizer(PPOModule, "critic_optimizer", lr=PPO["lr"], weight_decay=0.0)
+    S, models, prompts = workload(args)
+    actor_opt = default_optimizer(PPOModule, "actor_optimizer", lr=S["lr"], weight_decay=0.0)
+    critic_opt = default_optimizer(PPOModule, "critic_optimizer", lr=S["lr"], weight_decay=0.0)
     module = TimedPPO(
         actor=ModelSpec(name_or_path=str(models / "actor")),
         reward_model=ModelSpec(name_or_path=str(models / "reward")),
         critic=ModelSpec(name_or_path=str(models / "reward")),
-        generation=GenerationSettings(max_new_tokens=PPO["response_len"], temperature=PPO["temperature"]),
-        ppo_epochs=PPO["ppo_epochs"],
-        num_minibatches=PPO["num_minibatches"],
-        forward_batch_size=PPO["forward_batch_size"],
-        clip_coef=PPO["clip_coef"],
-        clip_coef_value=PPO["clip_coef_value"],
-        vf_coef=PPO["vf_coef"],
-        gamma=PPO["gamma"],
-        gae_lambda=PPO["gae_lambda"],
-        kl_coef=PPO["kl_coef"],
+        generation=GenerationSettings(max_new_tokens=S["response_len"], temperature=S["temperature"]),
+        ppo_epochs=S["ppo_epochs"],
+        num_minibatches=S["num_minibatches"],
+        forward_batch_size=S["forward_batch_size"],
+        clip_coef=S["clip_coef"],
+        clip_coef_value=S["clip_coef_value"],
+        vf_coef=S["vf_coef"],
+        gamma=S["gamma"],
+        gae_lambda=S["gae_lambda"],
+        kl_coef=S["kl_coef"],
         # TRL's PPOTrainer neither clips gradients nor skips minibatches: same work here.
         max_grad_norm=None,
         ratio_threshold=None,
@@ -96,11 +120,9 @@ def run_lit(args, timeline: Timeline, flops: list[int]):
         actor_optimizer=actor_opt,
         critic_optimizer=critic_opt,
     )
-    rows = [
-        {"input_ids": torch.tensor(p), "attention_mask": torch.ones(len(p), dtype=torch.long)}
-        for p in prompt_rows(Path(args.assets), PPO["batch"] * args.rollouts)
-    ]
-    loader = torch.utils.data.DataLoader(rows, batch_size=PPO["batch"])
+    rows = [{"prompt_input_ids": p} for p in prompts]
+    collate = PromptCollator(module.tokenizer.pad_token_id)
+    loader = torch.utils.data.DataLoader(rows, batch_size=S["batch"], collate_fn=collate)
     with tempfile.TemporaryDirectory() as root:
         trainer = Trainer(
             accelerator="cpu",
@@ -121,7 +143,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_trl(args, timeline: Timeline, flops: list[int]):
+def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
     import torch
     import trl.experimental.ppo.ppo_trainer as ppo_trainer
     from datasets import Dataset
@@ -138,10 +160,12 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
     generate = ppo_trainer.batch_generation
     forward = ppo_trainer.forward
 
-    def timed_generation(*a, **k):
+    def timed_generation(model, queries, *a, **k):
         timeline.mark("gen_start")
-        out = generate(*a, **k)
+        out = generate(model, queries, *a, **k)
         timeline.mark("gen_end")
+        responses = out[0][:, queries.shape[1] :]  # out = (query_responses, logits)
+        tokens.append(count_response_tokens(responses, tokenizer.eos_token_id, tokenizer.pad_token_id))
         return out
 
     def timed_forward(model, *a, **k):
@@ -159,7 +183,7 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
         def on_step_end(self, *a, **k):
             timeline.mark("iter_end")
 
-    models = Path(args.assets) / args.model
+    S, models, prompts = workload(args)
     tokenizer = AutoTokenizer.from_pretrained(models / "actor", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
@@ -169,29 +193,29 @@ def run_trl(args, timeline: Timeline, flops: list[int]):
     reward = AutoModelForSequenceClassification.from_pretrained(
         models / "reward", num_labels=1, dtype=torch.float32
     )
-    data = Dataset.from_dict({"input_ids": prompt_rows(Path(args.assets), PPO["batch"] * args.rollouts)})
+    data = Dataset.from_dict({"input_ids": prompts})
     with tempfile.TemporaryDirectory() as root:
         config = PPOConfig(
             output_dir=root,
-            per_device_train_batch_size=PPO["batch"],  # x gradient_accumulation_steps = prompts per rollout
+            per_device_train_batch_size=S["batch"],  # x gradient_accumulation_steps = prompts per rollout
             gradient_accumulation_steps=1,
-            num_mini_batches=PPO["num_minibatches"],
-            num_ppo_epochs=PPO["ppo_epochs"],
-            local_rollout_forward_batch_size=PPO["forward_batch_size"],
-            response_length=PPO["response_len"],
-            stop_token=None,
-            temperature=PPO["temperature"],
-            learning_rate=PPO["lr"],
+            num_mini_batches=S["num_minibatches"],
+            num_ppo_epochs=S["ppo_epochs"],
+            local_rollout_forward_batch_size=S["forward_batch_size"],
+            response_length=S["response_len"],
+            stop_token="eos" if S.get("eos_stop") else None,
+            temperature=S["temperature"],
+            learning_rate=S["lr"],
             lr_scheduler_type="constant",
             weight_decay=0.0,
-            kl_coef=PPO["kl_coef"],
+            kl_coef=S["kl_coef"],
             kl_estimator="k1",
-            cliprange=PPO["clip_coef"],
-            cliprange_value=PPO["clip_coef_value"],
-            vf_coef=PPO["vf_coef"],
-            gamma=PPO["gamma"],
-            lam=PPO["gae_lambda"],
-            total_episodes=PPO["batch"] * args.rollouts,
+            cliprange=S["clip_coef"],
+            cliprange_value=S["clip_coef_value"],
+            vf_coef=S["vf_coef"],
+            gamma=S["gamma"],
+            lam=S["gae_lambda"],
+            total_episodes=S["batch"] * args.rollouts,
             num_sample_generations=0,
             # PPOConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
             bf16=False,
@@ -229,19 +253,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--count-flops", action="store_true")
     parser.add_argument("--profile", help="write a torch.profiler op table of the last rollout to this file")
+    parser.add_argument("--workload", choices=["control", "W3_ppo"], default="control")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full", help="W3_ppo's size preset")
     args = parser.parse_args()
     set_threads(args.threads)
     import torch
 
     torch.manual_seed(0)
-    timeline, flops = Timeline(), []
+    timeline, flops, tokens = Timeline(), [], []
     run = run_lit if args.impl == "lit" else run_trl
     if args.profile:
         from profile_ppo import profiled
 
-        actor_params, critic_params = profiled(run, args, timeline, flops)
+        actor_params, critic_params = profiled(run, args, timeline, flops, tokens)
     else:
-        actor_params, critic_params = run(args, timeline, flops)
+        actor_params, critic_params = run(args, timeline, flops, tokens)
+    settings = workload(args)[0]
     emit(
         dict(
             impl=args.impl,
@@ -249,7 +276,9 @@ def main() -> None:
             threads=torch.get_num_threads(),
             actor_params=actor_params,
             critic_params=critic_params,
-            tokens_per_rollout=PPO["batch"] * PPO["response_len"],
+            workload=args.workload,
+            tokens_per_rollout=settings["batch"] * settings["response_len"],  # the control's (no early stop)
+            response_tokens=tokens,
             rollouts=timeline.rollouts(),
             update_flops=flops[0] if flops else None,
             **footprint(args.impl),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 
-def profiled(run, args, timeline, flops):
+def profiled(run, args, timeline, flops, tokens):
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
@@ -33,7 +33,7 @@ def profiled(run, args, timeline, flops):
                 prof.__exit__(None, None, None)
 
     timeline.mark = marking
-    out = run(args, timeline, flops)
+    out = run(args, timeline, flops, tokens)
     Path(args.profile).write_text(_report(prof, timeline.rollouts()[1], bounds))
     return out
 

@@ -1,4 +1,5 @@
-"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets of issue 7)."""
+"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets of issues 7 and 16)
+and the summary a script reads (:func:`summary`). Pure Python: no torch, no lit_rlhf, no TRL."""
 
 from __future__ import annotations
 
@@ -37,16 +38,88 @@ def _header(a: str, b: str) -> list[str]:
 
 
 def ppo_run_stats(run: dict) -> dict[str, float]:
-    """Medians over a run's timed rollouts (all but the first, warm-up one)."""
+    """Medians over a run's timed rollouts (all but the first, warm-up one).
+
+    Tokens/s: the control's fixed ``tokens_per_rollout`` over the median rollout time; for EOS-stopped
+    workloads (a ``response_tokens`` list and no fixed length) the real response tokens of the timed
+    rollouts over their summed time.
+    """
     timed = run["rollouts"][1:] or run["rollouts"]
     stats = {key: statistics.median(r[key] for r in timed) for key in timed[0]}
-    stats["tok_s"] = run["tokens_per_rollout"] / stats["total"]
-    stats["cpu_tok_s"] = run["tokens_per_rollout"] / stats["cpu_total"]
+    if run.get("workload", "control") == "control":
+        stats["tok_s"] = run["tokens_per_rollout"] / stats["total"]
+        stats["cpu_tok_s"] = run["tokens_per_rollout"] / stats["cpu_total"]
+    else:
+        tokens = run["response_tokens"][1:] if len(run["rollouts"]) > 1 else run["response_tokens"]
+        stats["tok_s"] = sum(tokens) / sum(r["total"] for r in timed)
+        stats["cpu_tok_s"] = sum(tokens) / sum(r["cpu_total"] for r in timed)
+        stats["tokens"] = statistics.mean(tokens)
     stats["peak_rss_mb"] = run["peak_rss_mb"]
     return stats
 
 
-def ppo_table(pairs: list[tuple[dict, dict]], a: str, b: str, settings: dict) -> str:
+ROLLOUT_WORKLOADS = ("W1_grpo", "W3_ppo", "control_ppo")
+PAIR_WORKLOADS = ("W2_rm", "W2_dpo", "control_rm")
+THROUGHPUT_UNITS = {
+    "W1_grpo": "response tokens/s",
+    "W3_ppo": "response tokens/s",
+    "control_ppo": "rollout tokens/s",
+    "W2_rm": "pairs/s",
+    "W2_dpo": "pairs/s",
+    "control_rm": "pairs/s",
+}
+
+
+def throughput(workload: str, run: dict) -> float:
+    """The wall-clock throughput of one run in the workload's unit (THROUGHPUT_UNITS)."""
+    if workload in ROLLOUT_WORKLOADS:
+        return ppo_run_stats(run)["tok_s"]
+    return run["pairs_per_s"]
+
+
+def summary(runs: dict[str, list[tuple[dict, dict]]]) -> dict[str, dict]:
+    """``{workload: {"throughput_ratio", "rss_ratio", ...}}``: medians over the repeat pairs of A/B.
+
+    ``throughput_ratio`` is the median of the per-pair ratios of wall-clock throughput (A / B, > 1 = A
+    faster), ``rss_ratio`` the median of the per-pair peak-RSS ratios (< 1 = A smaller); the min and max
+    of each and the unit are kept beside them.
+    """
+    out = {}
+    for workload, pairs in runs.items():
+        speed = [throughput(workload, a) / throughput(workload, b) for a, b in pairs]
+        rss = [a["peak_rss_mb"] / b["peak_rss_mb"] for a, b in pairs]
+        out[workload] = dict(
+            throughput_ratio=statistics.median(speed),
+            rss_ratio=statistics.median(rss),
+            throughput_ratio_range=[min(speed), max(speed)],
+            rss_ratio_range=[min(rss), max(rss)],
+            throughput_unit=THROUGHPUT_UNITS[workload],
+            repeats=len(pairs),
+        )
+    return out
+
+
+def summary_table(summ: dict[str, dict], a: str, b: str) -> str:
+    lines = [
+        f"### Summary: {a}/{b}, medians over the repeat pairs [min-max]",
+        "",
+        "| workload | throughput ratio | peak RSS ratio | throughput unit |",
+        "| --- | --- | --- | --- |",
+    ]
+    for workload, row in summ.items():
+        (t0, t1), (r0, r1) = row["throughput_ratio_range"], row["rss_ratio_range"]
+        lines.append(
+            f"| {workload} | {row['throughput_ratio']:.2f} [{t0:.2f}-{t1:.2f}] "
+            f"| {row['rss_ratio']:.2f} [{r0:.2f}-{r1:.2f}] | {row['throughput_unit']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def ppo_table(
+    pairs: list[tuple[dict, dict]], a: str, b: str, settings: dict, title: str | None = None,
+    unit: str = "rollout tokens/s", rss_target: str = "<= 0.8x",
+) -> str:  # fmt: skip
+    """Rollout workloads (control PPO, W1 GRPO, W3 PPO): throughput, phases, peak RSS."""
     sa = [ppo_run_stats(ra) for ra, _ in pairs]
     sb = [ppo_run_stats(rb) for _, rb in pairs]
 
@@ -54,29 +127,37 @@ def ppo_table(pairs: list[tuple[dict, dict]], a: str, b: str, settings: dict) ->
         return [s[key] for s in stats]
 
     run = pairs[0][0]
+    if title is None:
+        title = (
+            f"PPO: {run['actor_params'] / 1e6:.2f}M-parameter Llama actor, critic and reward model separate; "
+            f"{settings['batch']} prompts x {settings['response_len']} tokens per rollout, "
+            f"{settings['ppo_epochs']} epochs x {settings['num_minibatches']} minibatches"
+        )
     lines = [
-        f"### PPO: {run['actor_params'] / 1e6:.2f}M-parameter Llama actor, critic and reward model separate; "
-        f"{settings['batch']} prompts x {settings['response_len']} tokens per rollout, "
-        f"{settings['ppo_epochs']} epochs x {settings['num_minibatches']} minibatches; "
-        f"{len(run['rollouts']) - 1} timed rollouts per run, {len(pairs)} runs each",
+        f"### {title}; {len(run['rollouts']) - 1} timed rollouts per run, {len(pairs)} runs each",
         "",
         *_header(a, b),
-        _row("rollout tokens/s (wall)", col(sa, "tok_s"), col(sb, "tok_s"), ">= 2.0x"),
-        _row("rollout tokens/s per CPU-second", col(sa, "cpu_tok_s"), col(sb, "cpu_tok_s"), ">= 2.0x"),
+        _row(f"{unit} (wall)", col(sa, "tok_s"), col(sb, "tok_s"), ">= 2.0x"),
+        _row(f"{unit} per CPU-second", col(sa, "cpu_tok_s"), col(sb, "cpu_tok_s"), ">= 2.0x"),
     ]
+    if "tokens" in sa[0]:
+        lines.append(_row("response tokens / rollout (mean)", col(sa, "tokens"), col(sb, "tokens")))
     for phase in PHASES:
         label = "s / rollout (wall)" if phase == "total" else f"- {_label(phase)} s"
         lines.append(_row(label, col(sa, phase), col(sb, phase)))
     for phase in PHASES:
         label = "CPU s / rollout" if phase == "total" else f"- {_label(phase)} CPU s"
         lines.append(_row(label, col(sa, "cpu_" + phase), col(sb, "cpu_" + phase)))
-    lines.append(_row("peak RSS MB", col(sa, "peak_rss_mb"), col(sb, "peak_rss_mb"), "<= 0.8x"))
+    lines.append(_row("peak RSS MB", col(sa, "peak_rss_mb"), col(sb, "peak_rss_mb"), rss_target))
     return "\n".join(lines) + "\n"
 
 
-def rm_table(pairs: list[tuple[dict, dict]], a: str, b: str) -> str:
+def rm_table(
+    pairs: list[tuple[dict, dict]], a: str, b: str, title: str = "Reward model: hidden-64 2-layer GPT-2"
+) -> str:
+    """Pair workloads (control RM, W2 RM, W2 DPO): pairs/s and peak RSS."""
     lines = [
-        f"### Reward model: hidden-64 2-layer GPT-2, {len(pairs)} runs each",
+        f"### {title}, {len(pairs)} runs each",
         "",
         *_header(a, b),
         _row(
@@ -127,8 +208,8 @@ def flops_table(peak: dict, run: dict, settings: dict) -> str:
 def versions_line(results: dict) -> str:
     """Package versions of each implementation, from its first run."""
     seen: dict[str, dict] = {}
-    for key in ("ppo", "rm"):
-        for pair in results.get(key, []):
+    for pairs in results.get("runs", {}).values():
+        for pair in pairs:
             for side, run in zip(("a", "b"), pair):
                 seen.setdefault(results[side], run.get("versions", {}))
     parts = [f"{impl}: " + ", ".join(f"{k} {v}" for k, v in vers.items()) for impl, vers in seen.items()]

@@ -15,4 +15,5 @@ if [ -x "$LIT_PYTHON" ]; then
 fi
 python3 -m venv "$BENCH_VENV"
 "$BENCH_VENV/bin/pip" install torch==2.13.0
-"$BENCH_VENV/bin/pip" install trl==1.12.0 "${same_transformers[@]}"
+# requests: GRPOTrainer imports trl.generation.vllm_client, which needs it even without vLLM
+"$BENCH_VENV/bin/pip" install trl==1.12.0 requests "${same_transformers[@]}"

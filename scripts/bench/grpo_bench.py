@@ -1,0 +1,203 @@
+"""One W1 (group RL) benchmark run: lit_rlhf CriticFreeModule(grpo) or TRL GRPOTrainer.
+
+    python scripts/bench/grpo_bench.py --impl lit|trl --assets DIR [--size full|smoke] [--threads 1]
+
+Both sample K = 8 responses per prompt (prompts of 64-256 tokens, responses of up to 64 tokens that stop
+at EOS, vocabulary 32,000) from the same weights with transformers' ``generate`` (temperature 1, no
+top-k/top-p, pad suppressed), score them with the same Python reward function, and take one optimiser
+step per rollout: one pass (TRL num_iterations=1) over one minibatch of all rows, token-mean loss
+aggregation (TRL loss_type="dapo"; one process, so the same as the local token mean), clipped ratio
+eps 0.2, k3 KL-to-reference loss with beta 0.04, group-std advantages, AdamW lr 1e-6 without weight
+decay, gradient clipping 1.0, float32, no gradient checkpointing. Prompts come in dataset order (TRL
+``shuffle_dataset=False``), so both runs see the same prompts per rollout.
+
+Prints one ``BENCH_RESULT {json}`` line: per-rollout phases (common.Timeline) and the real response
+tokens of each rollout (EOS included), peak RSS. The first rollout is a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Timeline, default_optimizer, emit, footprint, set_threads  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
+
+
+def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lit_rlhf.data.collators import PromptCollator
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.modules import CriticFreeModule
+    from lit_rlhf.rollout import GenerationSettings
+
+    class TimedGRPO(CriticFreeModule):
+        def generate(self, *a, **k):
+            timeline.mark("gen_start")
+            out = super().generate(*a, **k)
+            timeline.mark("gen_end")
+            tokens.append(int(out[1].sum()))  # (responses, response_mask, truncated)
+            return out
+
+        def update_policy(self):
+            timeline.mark("upd_start")
+            return super().update_policy()
+
+    class Marks(Callback):
+        def on_train_start(self, trainer, module):
+            timeline.mark("start")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            timeline.mark("iter_end")
+
+    size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
+    module = TimedGRPO(
+        actor=ModelSpec(name_or_path=str(folder / "actor")),
+        reward_fn="workloads:bench_reward",
+        advantage_estimator="grpo",
+        generation=GenerationSettings(
+            max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=GRPO["num_generations"]
+        ),
+        ppo_epochs=1,
+        num_minibatches=1,
+        loss_aggregation="token_mean",
+        clip_coef=GRPO["clip"],
+        kl_coef=0.0,
+        kl_loss_coef=GRPO["beta"],
+        kl_loss_estimator="k3",
+        ratio_threshold=None,  # TRL never skips a minibatch
+        max_grad_norm=GRPO["max_grad_norm"],
+        max_rollouts=size["grpo_rollouts"],
+        log_samples_every=0,
+        actor_optimizer=default_optimizer(
+            CriticFreeModule, "actor_optimizer", lr=GRPO["lr"], weight_decay=0.0
+        ),
+    )
+    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
+    rows = [{"prompt_input_ids": p["ids"]} for p in prompts[: size["grpo_groups"] * size["grpo_rollouts"]]]
+    loader = torch.utils.data.DataLoader(
+        rows, batch_size=size["grpo_groups"], collate_fn=PromptCollator(module.tokenizer.pad_token_id)
+    )
+    with tempfile.TemporaryDirectory() as root:
+        trainer = Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=1, default_root_dir=root, callbacks=[Marks()],
+        )  # fmt: skip
+        trainer.fit(module, loader)
+    return sum(p.numel() for p in module.actor.parameters())
+
+
+def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, *a, **k):
+            timeline.mark("gen_start")
+            completion_ids, logprobs = super()._generate_single_turn(*a, **k)
+            timeline.mark("gen_end")
+            tokens.append(sum(len(c) for c in completion_ids))  # EOS included, nothing after it
+            return completion_ids, logprobs
+
+        def compute_loss(self, *a, **k):
+            timeline.mark_update_start()
+            return super().compute_loss(*a, **k)
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            timeline.mark("start")
+
+        def on_step_end(self, *a, **k):
+            timeline.mark("iter_end")
+
+    size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "actor", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder / "actor", dtype=torch.float32)
+    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
+    n = size["grpo_groups"] * size["grpo_rollouts"]
+    data = Dataset.from_dict({"prompt": [p["text"] for p in prompts[:n]]})
+    rows = size["grpo_groups"] * GRPO["num_generations"]
+    with tempfile.TemporaryDirectory() as root:
+        config = GRPOConfig(
+            output_dir=root,
+            per_device_train_batch_size=rows,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            num_generations=GRPO["num_generations"],
+            max_completion_length=MAX_NEW_TOKENS,
+            temperature=GRPO["temperature"],
+            top_p=1.0,
+            top_k=0,
+            generation_kwargs={"suppress_tokens": [tokenizer.pad_token_id]},  # as lit_rlhf's generate
+            beta=GRPO["beta"],
+            epsilon=GRPO["clip"],
+            loss_type="dapo",
+            scale_rewards="group",
+            learning_rate=GRPO["lr"],
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=GRPO["max_grad_norm"],
+            max_steps=size["grpo_rollouts"],
+            shuffle_dataset=False,
+            disable_dropout=True,
+            # GRPOConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
+            bf16=False,
+            gradient_checkpointing=False,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+        )
+        trainer = TimedGRPOTrainer(
+            model=model, reward_funcs=[bench_reward], args=config, train_dataset=data,
+            processing_class=tokenizer, callbacks=[Marks()],
+        )  # fmt: skip
+        trainer.train()
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
+    parser.add_argument("--assets", required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    import torch
+
+    torch.manual_seed(0)
+    timeline, tokens = Timeline(), []
+    actor_params = (run_lit if args.impl == "lit" else run_trl)(args, timeline, tokens)
+    rollouts = timeline.rollouts()
+    if len(tokens) != len(rollouts):
+        raise SystemExit(f"{len(tokens)} generations for {len(rollouts)} rollouts: the timing hooks are stale")
+    emit(
+        dict(
+            impl=args.impl,
+            workload="W1_grpo",
+            size=args.size,
+            threads=torch.get_num_threads(),
+            actor_params=actor_params,
+            response_tokens=tokens,
+            rows_per_rollout=SIZES[args.size]["grpo_groups"] * GRPO["num_generations"],
+            rollouts=rollouts,
+            **footprint(args.impl),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

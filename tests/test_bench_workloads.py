@@ -1,0 +1,96 @@
+"""The benchmark harness's pure parts (scripts/bench): workload data and the summary a script reads.
+
+No TRL here: the data generator and the 32,000-token tokenizer are checked against the issue's length
+ranges, and the summary against hand-computed medians of made-up results.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+import report  # noqa: E402
+import workloads  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    """The benchmark tokenizer (trained as build_workload_assets trains it) and the data of the workloads."""
+    from lit_rlhf.models.tokenizer import train_bpe_tokenizer
+
+    words = workloads.lexicon()
+    tokenizer = train_bpe_tokenizer(workloads.training_texts(words), vocab_size=workloads.VOCAB_32K)
+    word_ids = dict(zip(words, tokenizer([" " + w for w in words])["input_ids"]))
+    rows = workloads.workload_rows(words, word_ids, tokenizer.eos_token_id)
+    return tokenizer, rows
+
+
+def test_tokenizer_has_32000_tokens_and_texts_tokenize_to_the_row_ids(vocab):
+    tokenizer, rows = vocab
+    assert len(tokenizer) == 32000
+    for row in rows["grpo_prompts"][:5] + rows["ppo_prompts"][:5]:
+        assert tokenizer(row["text"])["input_ids"] == row["ids"]
+    eos = tokenizer.eos_token_id
+    for pair in rows["pairs"][:5]:  # what TRL's DPOTrainer tokenises: prompt + response + EOS string
+        for slot in ("chosen", "rejected"):
+            text = pair["prompt"]["text"] + pair[slot]["text"] + tokenizer.eos_token
+            assert tokenizer(text)["input_ids"] == pair["prompt"]["ids"] + pair[slot]["ids"]
+            assert pair[slot]["ids"][-1] == eos and eos not in pair[slot]["ids"][:-1]
+
+
+@pytest.mark.parametrize(
+    "kind,lo,hi",
+    [("grpo_prompts", 64, 256), ("ppo_prompts", 16, 256), ("pairs.prompt", 64, 512), ("pairs.chosen", 16, 128)],
+)
+def test_lengths_cover_the_issue_ranges(vocab, kind, lo, hi):
+    _, rows = vocab
+    if kind.startswith("pairs."):
+        lengths = [len(p[kind[6:]]["ids"]) for p in rows["pairs"]]
+    else:
+        lengths = [len(r["ids"]) for r in rows[kind]]
+    assert len(lengths) == workloads.N_ROWS
+    assert lo <= min(lengths) and max(lengths) <= hi
+    # varying over the range: both its lower and upper quarter are populated
+    quarter = (hi - lo) / 4
+    assert any(n < lo + quarter for n in lengths) and any(n > hi - quarter for n in lengths)
+
+
+def test_bench_reward_scores_each_completion():
+    assert workloads.bench_reward(["p", "q"], ["aab", ""]) == [2 / 4, 0.0]
+
+
+def rollout_run(totals: list[float], tokens: list[int], rss: float) -> dict:
+    rollouts = [dict(total=t, cpu_total=t) for t in totals]
+    return dict(workload="W1_grpo", rollouts=rollouts, response_tokens=tokens, peak_rss_mb=rss)
+
+
+def test_summary_is_the_median_of_per_pair_ratios():
+    # W1: the warm-up rollout (first) is left out: tokens/s = 300 / 3 s = 100 vs 200 / 4 s = 50 -> 2.0
+    w1 = [
+        (rollout_run([9.0, 1.0, 2.0], [999, 100, 200], 500.0), rollout_run([9.0, 2.0, 2.0], [999, 100, 100], 1000.0)),
+        (rollout_run([9.0, 1.0, 1.0], [1, 100, 100], 600.0), rollout_run([9.0, 2.0, 2.0], [1, 100, 100], 1000.0)),
+        (rollout_run([9.0, 1.0, 1.0], [1, 100, 100], 700.0), rollout_run([9.0, 4.0, 4.0], [1, 100, 100], 1000.0)),
+    ]  # ratios 2.0, 2.0, 4.0; RSS 0.5, 0.6, 0.7
+    pair_runs = [
+        (dict(pairs_per_s=3.0, peak_rss_mb=90.0), dict(pairs_per_s=2.0, peak_rss_mb=100.0)),
+        (dict(pairs_per_s=1.0, peak_rss_mb=80.0), dict(pairs_per_s=2.0, peak_rss_mb=100.0)),
+    ]  # ratios 1.5, 0.5 -> median 1.0; RSS 0.9, 0.8 -> 0.85
+    summ = report.summary({"W1_grpo": w1, "W2_dpo": pair_runs})
+    assert summ["W1_grpo"]["throughput_ratio"] == pytest.approx(2.0)
+    assert summ["W1_grpo"]["throughput_ratio_range"] == pytest.approx([2.0, 4.0])
+    assert summ["W1_grpo"]["rss_ratio"] == pytest.approx(0.6)
+    assert summ["W2_dpo"]["throughput_ratio"] == pytest.approx(1.0)
+    assert summ["W2_dpo"]["rss_ratio"] == pytest.approx(0.85)
+    assert summ["W2_dpo"]["throughput_unit"] == "pairs/s" and summ["W2_dpo"]["repeats"] == 2
+    assert "| W1_grpo | 2.00 [2.00-4.00] | 0.60 [0.50-0.70] |" in report.summary_table(summ, "lit", "trl")
+
+
+def test_control_ppo_throughput_uses_the_fixed_tokens_and_the_median_rollout():
+    run = dict(
+        rollouts=[dict(total=t, cpu_total=t) for t in (9.0, 2.0, 4.0, 3.0)],
+        tokens_per_rollout=512, peak_rss_mb=1.0,
+    )  # fmt: skip
+    assert report.throughput("control_ppo", run) == pytest.approx(512 / 3.0)
