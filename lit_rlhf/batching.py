@@ -113,7 +113,7 @@ class Bucketing:
 
     enabled: bool = True
     token_budget: int | None = 4096
-    min_saving: float = 0.25
+    min_saving: float = 0.1
 
     def __post_init__(self) -> None:
         if self.token_budget is not None and self.token_budget <= 0:

@@ -344,6 +344,6 @@ def test_bucketing_is_an_argument_of_every_module(tokenizer_dir):
     with pytest.raises(TypeError, match="SFTModule: bucketing"):
         SFTModule(spec(tokenizer_dir, gpt2_config()), bucketing="yes")
     module = RewardModelModule(spec(tokenizer_dir, gpt2_config()), bucketing={"token_budget": 512})
-    assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.25}
+    assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.1}
     ppo = tiny_ppo(tokenizer_dir, gpt2_config(), bucketing={"min_saving": 0.5}, critic_optimizer=adamw(1e-3))
     assert ppo.bucketing == Bucketing(min_saving=0.5) and ppo.hparams.bucketing["min_saving"] == 0.5
