@@ -5,10 +5,12 @@ Used by every online-RL module, for the optimised reward and for the monitor rew
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from lit_rlhf.batching import MicroBatch, scatter_rows
 from lit_rlhf.models import build_score_model, chunked, frozen_copy, load_tokenizer, reward_model_scores
 from lit_rlhf.reward_fns import RewardFn, import_reward_fn, reward_scores
 
@@ -53,9 +55,17 @@ class RewardSource(torch.nn.Module):
 
     @torch.no_grad()
     def score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, chunk_size: int
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        chunk_size: int | Sequence[MicroBatch],
     ) -> torch.Tensor:
-        """(B, P+T) prompt+response sequences -> (B,) float32 scores."""
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores.
+
+        ``chunk_size``: rows per reward-model forward, or the (rows, columns, t) micro-batches of
+        ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed).
+        """
         if self.fn is not None or self.model_tokenizer is not None:
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
             responses = self.decode_responses(
@@ -67,9 +77,14 @@ class RewardSource(torch.nn.Module):
             texts = [p + r + self.model_tokenizer.eos_token for p, r in zip(prompts, responses)]
             enc = self.model_tokenizer(texts, return_tensors="pt", padding=True).to(input_ids.device)
             input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
-        return torch.cat(
-            [
-                reward_model_scores(self.model, input_ids[rows], attention_mask[rows])
-                for rows in chunked(input_ids.shape[0], chunk_size)
-            ]
-        )
+        n = input_ids.shape[0]
+        if isinstance(chunk_size, int):
+            batches = [(rows, slice(None)) for rows in chunked(n, chunk_size)]
+        else:  # re-tokenised rows have their own columns
+            retokenised = self.model_tokenizer is not None
+            batches = [(rows, slice(None) if retokenised else columns) for rows, columns, _ in chunk_size]
+        parts = [
+            reward_model_scores(self.model, input_ids[rows][:, columns], attention_mask[rows][:, columns])
+            for rows, columns in batches
+        ]
+        return scatter_rows(parts, [rows for rows, _ in batches], n)

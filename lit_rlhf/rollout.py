@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lit_rlhf.batching import trim_prompt_response
 from lit_rlhf.models import position_ids_from_mask
 
 
@@ -225,6 +226,23 @@ class Rollout:
         """The rows ``index`` of every field."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return replace(self, **{name: v[index] for name, v in values.items() if v is not None})
+
+    def trim(self) -> Rollout:
+        """The rollout without the columns that are padding in every row (leading prompt padding,
+        trailing response padding). Log-probs, values and losses are unchanged: positions come from the
+        mask, and the dropped columns are masked out of every row."""
+        return self.crop(*trim_prompt_response(self.attention_mask, self.response_mask.shape[1]))
+
+    def crop(self, columns: slice, t: int) -> Rollout:
+        """The ``columns`` of the (B, P+T) fields, which end with the first ``t`` response columns, and
+        those ``t`` columns of the (B, T) fields."""
+        trimmed = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or value.dim() == 1:
+                continue
+            trimmed[f.name] = value[:, columns] if f.name in ("input_ids", "attention_mask") else value[:, :t]
+        return replace(self, **trimmed)
 
 
 class ReplayBuffer:

@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
 from lit_rlhf import functional as F
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.models import ModelSpec, policy_forward
 from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
 from lit_rlhf.modules.optim import PolicyAdamW, resolve_total_steps
@@ -65,7 +66,13 @@ class CriticFreeModule(OnlineRLModule):
             ``GenerationSettings(num_samples=4)``. ``num_samples`` is K, the responses per prompt.
         ppo_epochs: passes over each rollout.
         num_minibatches: optimiser steps per pass (the rollout's rows are split evenly).
-        forward_batch_size: rows per forward pass (rollout scoring and gradient-accumulation micro-batches).
+        forward_batch_size: the most rows per forward pass (rollout scoring and gradient-accumulation
+            micro-batches).
+        bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields;
+            None = its defaults): where it saves at least ``min_saving`` of the padded tokens, rows are
+            sorted by length into micro-batches of at most ``token_budget`` padded tokens (and
+            ``forward_batch_size`` rows) whose all-padding columns are dropped; results are unchanged
+            (exact up to float rounding). ``{enabled: false}`` keeps every forward at the full width.
         loss_aggregation: ``token_mean`` (every real token of the minibatch weighs the same),
             ``seq_mean_token_mean`` (the original GRPO) or ``seq_mean_token_sum_norm`` (Dr. GRPO: token sums
             divided by ``generation.max_new_tokens``).
@@ -114,6 +121,7 @@ class CriticFreeModule(OnlineRLModule):
         ppo_epochs: int = 4,
         num_minibatches: int = 2,
         forward_batch_size: int = 16,
+        bucketing: Bucketing | dict | None = None,
         loss_aggregation: Literal[
             "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
         ] = "token_mean",
@@ -148,7 +156,8 @@ class CriticFreeModule(OnlineRLModule):
         super().__init__(
             actor=actor, reward_model=reward_model, reward_fn=reward_fn, monitor_reward_fn=monitor_reward_fn,
             reference=reference, generation=generation, forward_batch_size=forward_batch_size,
-            num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
+            bucketing=bucketing, num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target,
+            kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
             log_samples_every=log_samples_every, num_log_samples=num_log_samples,
             eval_generation=eval_generation, eval_greedy=eval_greedy, rng_seed=rng_seed,

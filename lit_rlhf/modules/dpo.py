@@ -9,6 +9,7 @@ Metric names (TRL's, under the project's ``train/`` / ``val/`` / ``test/`` prefi
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.functional import DPO_LOSS_TYPES, dpo_loss
 from lit_rlhf.models import (
     ModelSpec,
@@ -67,6 +69,11 @@ class DPOModule(SingleModelModule):
         scheduler: learning-rate schedule factory (stepped every optimiser step); None for constant.
         num_samples: validation prompts whose greedy completions are logged as text (0 disables).
         sample_max_new_tokens: length limit of those sample completions.
+        bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields;
+            None = its defaults): where it saves at least ``min_saving`` of the padded tokens, the policy
+            and reference forwards run on length-sorted rows in micro-batches of at most ``token_budget``
+            padded tokens with their all-padding columns dropped; log-probs, loss and metrics are
+            unchanged (up to float rounding). ``{enabled: false}`` runs one padded forward per batch.
     """
 
     def __init__(
@@ -83,8 +90,10 @@ class DPOModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
         sample_max_new_tokens: int = 48,
+        bucketing: Bucketing | dict | None = None,
     ) -> None:
         super().__init__()
+        bucketing = self.set_bucketing(bucketing)
         model = ModelSpec.coerce(model, "model")
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         _validate(reference, beta, loss_type, label_smoothing, simpo_gamma, precompute_ref_logprobs, num_samples)
@@ -111,9 +120,7 @@ class DPOModule(SingleModelModule):
         """One DPO loss on a (2B, L) batch of B pairs."""
         hp = self.hparams
         # 1. Policy log-probs of chosen and rejected responses, one forward over the 2B rows.
-        logps, n_tokens = response_logprobs(
-            self.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
-        )  # (2B,), (2B,)
+        logps, n_tokens = self._response_logprobs(self.model, batch)  # (2B,), (2B,)
         # 2. Reference log-probs: looked up (precomputed) or one frozen forward; none for SimPO.
         ref_logps = None if hp.loss_type == "simpo" else self._reference_logps(batch, split)  # (2B,)
         # 3. IPO and SimPO compare per-token (length-averaged) log-probs.
@@ -146,10 +153,15 @@ class DPOModule(SingleModelModule):
         # a LoRA policy with its adapters disabled is the initial policy
         context = reference_logits_context(unwrap(self.model)) if self.reference is None else nullcontext()
         with torch.no_grad(), context:
-            logps, _ = response_logprobs(
-                model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
-            )
+            logps, _ = self._response_logprobs(model, batch)
         return logps
+
+    def _response_logprobs(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2B,) summed response log-probs and (2B,) response lengths, in length-bucketed micro-batches."""
+        columns = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        return self.per_row(partial(response_logprobs, model), batch["attention_mask"], *columns)
 
     def _lookup(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
         if "row_index" not in batch:

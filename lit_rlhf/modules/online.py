@@ -20,13 +20,13 @@ import torch
 from typing_extensions import override
 
 from lit_rlhf import functional as F
+from lit_rlhf.batching import Bucketing, MicroBatch, rollout_micro_batches, scatter_rows
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.guards import NonFiniteError, NonFinitePolicy, StepGuard, check_finite_weights, screen_scores
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
-    chunked,
     disable_dropout,
     frozen_copy,
     load_tokenizer,
@@ -58,7 +58,7 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
 
     Args:
         actor, reward_model, reward_fn, monitor_reward_fn, reference, generation, forward_batch_size,
-        num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
+        bucketing, num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
         log_samples_every, num_log_samples, eval_generation, eval_greedy, rng_seed, on_nonfinite: as documented by the
         subclass (``rng_seed=None`` follows ``seed_everything``; the resolved value is stored in the
         hyper-parameters and the checkpoint, so a resumed or reloaded module rebuilds the same weights).
@@ -79,6 +79,7 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         reference: ModelSpec | dict | str | None,
         generation: GenerationSettings | dict | None,
         forward_batch_size: int,
+        bucketing: Bucketing | dict | None,
         num_minibatches: int,
         kl_coef: float,
         kl_target: float | None,
@@ -103,6 +104,7 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         self.generation = GenerationSettings.coerce(generation, "generation")
         self.eval_generation = evaluation_settings(self.generation, eval_generation)
+        self.bucketing = Bucketing.coerce(bucketing, f"{name}: bucketing")
         rng_seed = self.rng_seed = resolve_seed(rng_seed)
         check_online_args(
             name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every,
@@ -230,17 +232,28 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
     def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
         """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
 
-        Runs in chunks of ``forward_batch_size`` rows so memory does not grow with the rollout, and
-        keeps no (B, T, V) logits.
+        Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
+        :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
+        columns trimmed from a micro-batch (padding in all its rows) read 0.
         """
         parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
-        for rows in chunked(input_ids.shape[0], self.hparams.forward_batch_size):
-            ids, mask = input_ids[rows], attention_mask[rows]
-            logprobs, entropy, values = self.policy_and_values(ids, mask, T)
-            ref_logprobs = self.reference_logprobs(ids, mask, T)
+        batches = self.micro_batches(attention_mask, T)
+        for rows, columns, t in batches:
+            ids, mask = input_ids[rows][:, columns], attention_mask[rows][:, columns]
+            logprobs, entropy, values = self.policy_and_values(ids, mask, t)
+            ref_logprobs = self.reference_logprobs(ids, mask, t)
             for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
                 parts[key].append(value)
-        return tuple(None if v[0] is None else torch.cat(v) for v in parts.values())
+        n, rows = input_ids.shape[0], [b[0] for b in batches]
+        return tuple(None if v[0] is None else scatter_rows(v, rows, n, T) for v in parts.values())
+
+    def micro_batches(self, attention_mask: torch.Tensor, T: int, group_size: int = 1) -> list[MicroBatch]:
+        """(rows, columns, t) of the forwards over (B, P+T) rollout rows: at most ``forward_batch_size``
+        rows each, length-bucketed and trimmed under ``bucketing`` where that saves compute, else
+        consecutive rows at the full width; ``group_size`` consecutive rows stay together."""
+        return rollout_micro_batches(
+            attention_mask, T, self.bucketing, self.hparams.forward_batch_size, group_size
+        )
 
     @torch.no_grad()
     def score_responses(
@@ -260,12 +273,12 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         kept scores, and ``rollout/nonfinite_scores`` counts them over all ranks. The monitor is only
         logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
         """
-        chunk = self.hparams.forward_batch_size
-        scores = self.rewards.score(input_ids, attention_mask, T, chunk)  # (B,)
+        batches = self.micro_batches(attention_mask, T)
+        scores = self.rewards.score(input_ids, attention_mask, T, batches)  # (B,)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
         if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, chunk)  # (B,)
+            monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False)
             self.rollout_metrics.update({"monitor_score": monitor[monitor_keep].mean()})
         return scores, keep
@@ -346,9 +359,10 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
     ) -> float:
         """``epochs`` passes over shuffled minibatches of the buffered rollout, one optimiser step each.
 
-        Each minibatch is processed in micro-batches of ``forward_batch_size`` rows whose losses are
-        weighted by their share of the minibatch (real tokens, or rows for the sequence-mean
-        aggregations), so the accumulated gradient equals the minibatch's loss. A minibatch whose mean
+        Each minibatch is processed in micro-batches of at most ``forward_batch_size`` rows (length-bucketed
+        and trimmed under ``bucketing``, see :meth:`micro_batches`) whose losses are weighted by their share
+        of the minibatch (real tokens, or rows for the sequence-mean aggregations), so the accumulated
+        gradient equals the minibatch's loss (trimming keeps every real token and row). A minibatch whose mean
         ratio exceeds ``ratio_threshold`` is skipped (``skipped_minibatches``); one whose loss or gradient
         is not finite on any rank is never stepped, on any optimiser (``nonfinite_steps``, counted in
         the checkpoint by ``step_guard``). Afterwards every trained model is checked for non-finite
@@ -361,8 +375,8 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
             epoch_kl = []
             for mb in self.buffer.minibatches():
                 stats: dict[str, torch.Tensor] = {}
-                for rows in chunked(mb.batch_size, hp.forward_batch_size):
-                    part = mb.select(rows)
+                for rows, columns, t in self.micro_batches(mb.attention_mask, mb.response_mask.shape[1]):
+                    part = mb.select(rows).crop(columns, t)
                     weight = F.aggregation_weight(part.response_mask, mb.response_mask, loss_aggregation)
                     loss, part_stats = loss_fn(part)
                     self.step_guard.observe_loss(loss)

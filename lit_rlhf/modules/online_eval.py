@@ -30,7 +30,8 @@ from lightning.pytorch import LightningModule
 from typing_extensions import override
 
 from lit_rlhf import functional as F
-from lit_rlhf.models import chunked, policy_forward
+from lit_rlhf.batching import scatter_rows
+from lit_rlhf.models import policy_forward
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.samples import log_text_table, logger_step
 from lit_rlhf.rollout import GenerationSettings
@@ -55,7 +56,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 @internal_base
 class OnlineEvaluation(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``generate``, ``rewards``,
-    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``eval_generation``, ``rng_seed``, ``tokenizer``)."""
+    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``, ``eval_generation``, ``rng_seed``, ``tokenizer``)."""
 
     _rng_after_rollout: dict[str, Any] | None = None
     _eval_samples: list[tuple[str, str, str]] = []
@@ -99,14 +100,16 @@ class OnlineEvaluation(LightningModule):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, P+T) sequences -> actor log-probs, reference log-probs and actor entropy, each (B, T), at
-        ``temperature``, in chunks of ``forward_batch_size`` rows (evaluation: no critic values)."""
+        ``temperature``, in the micro-batches of ``micro_batches`` (evaluation: no critic values)."""
         parts: tuple[list[torch.Tensor], ...] = ([], [], [])
-        for rows in chunked(input_ids.shape[0], self.hparams.forward_batch_size):
-            ids, mask = input_ids[rows], attention_mask[rows]
-            logprobs, entropy, _ = policy_forward(self.actor, ids, mask, T, temperature)
-            for part, value in zip(parts, (logprobs, self.reference_logprobs(ids, mask, T, temperature), entropy)):
+        batches = self.micro_batches(attention_mask, T)
+        for rows, columns, t in batches:
+            ids, mask = input_ids[rows][:, columns], attention_mask[rows][:, columns]
+            logprobs, entropy, _ = policy_forward(self.actor, ids, mask, t, temperature)
+            for part, value in zip(parts, (logprobs, self.reference_logprobs(ids, mask, t, temperature), entropy)):
                 part.append(value)
-        return tuple(torch.cat(part) for part in parts)
+        rows = [b[0] for b in batches]
+        return tuple(scatter_rows(part, rows, input_ids.shape[0], T) for part in parts)
 
     # -- Lightning's evaluation hooks -----------------------------------------------------------------
     @override
@@ -137,9 +140,10 @@ class OnlineEvaluation(LightningModule):
         input_ids = torch.cat([prompts, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
         T = responses.shape[1]
+        batches = self.micro_batches(attention_mask, T)
         # 3. Score as in training, the monitor on the side, and the KL to the reference (same estimator).
         scores = self.adjust_scores(
-            self.rewards.score(input_ids, attention_mask, T, hp.forward_batch_size), truncated
+            self.rewards.score(input_ids, attention_mask, T, batches), truncated
         )  # (B,)
         logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
         kl = F.kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)  # (B, T)
@@ -151,7 +155,7 @@ class OnlineEvaluation(LightningModule):
             "entropy": F.masked_mean(entropy, response_mask),
         }
         if self.monitor is not None:
-            metrics["monitor_score"] = self.monitor.score(input_ids, attention_mask, T, hp.forward_batch_size).mean()
+            metrics["monitor_score"] = self.monitor.score(input_ids, attention_mask, T, batches).mean()
         # 4. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
         for name, value in metrics.items():
             self.log(

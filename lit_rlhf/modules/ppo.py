@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
 from lit_rlhf import functional as F
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.models import (
     ModelSpec,
     ValueHead,
@@ -49,7 +50,13 @@ class PPOModule(OnlineRLModule):
         generation: sampling settings of the rollout (``GenerationSettings`` or a dict of its fields).
         ppo_epochs: passes over each rollout.
         num_minibatches: optimiser steps per pass (the rollout's rows are split evenly).
-        forward_batch_size: rows per forward pass (rollout scoring and gradient-accumulation micro-batches).
+        forward_batch_size: the most rows per forward pass (rollout scoring and gradient-accumulation
+            micro-batches).
+        bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields;
+            None = its defaults): where it saves at least ``min_saving`` of the padded tokens, rows are
+            sorted by length into micro-batches of at most ``token_budget`` padded tokens (and
+            ``forward_batch_size`` rows) whose all-padding columns are dropped; results are unchanged
+            (exact up to float rounding). ``{enabled: false}`` keeps every forward at the full width.
         policy_loss: ``clip`` (PPO-Clip) or ``kl_penalty`` (PPO-Penalty with adaptive beta, seeds/000).
         clip_coef: epsilon of the clipped ratio (its lower bound 1 - clip_coef).
         clip_coef_high: upper epsilon of the ratio (DAPO "clip-higher", arXiv 2503.14476); None = clip_coef.
@@ -109,6 +116,7 @@ class PPOModule(OnlineRLModule):
         ppo_epochs: int = 4,
         num_minibatches: int = 2,
         forward_batch_size: int = 16,
+        bucketing: Bucketing | dict | None = None,
         policy_loss: Literal["clip", "kl_penalty"] = "clip",
         clip_coef: float = 0.2,
         clip_coef_high: float | None = None,
@@ -148,7 +156,8 @@ class PPOModule(OnlineRLModule):
         super().__init__(
             actor=actor, reward_model=reward_model, reward_fn=reward_fn, monitor_reward_fn=monitor_reward_fn,
             reference=reference, generation=generation, forward_batch_size=forward_batch_size,
-            num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
+            bucketing=bucketing, num_minibatches=num_minibatches, kl_coef=kl_coef, kl_target=kl_target,
+            kl_horizon=kl_horizon,
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
             log_samples_every=log_samples_every, num_log_samples=num_log_samples,
             eval_generation=eval_generation, eval_greedy=eval_greedy, rng_seed=rng_seed,

@@ -7,6 +7,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import pairwise_reward_loss
 from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
@@ -66,6 +67,11 @@ class RewardModelModule(SingleModelModule):
         center_rewards_coef: weight of the centring regulariser coef * mean((r_chosen + r_rejected)^2)
             that keeps scores near zero mean (Eisenstein et al. 2023); 0 disables it.
         use_margin: subtract the batch's ``margin`` column when the data has one.
+        bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields;
+            None = its defaults): where it saves at least ``min_saving`` of the padded tokens, the rows are
+            scored in length-sorted forwards of at most ``token_budget`` padded tokens with their
+            all-padding columns dropped; scores, loss and metrics are unchanged (up to float rounding).
+            ``{enabled: false}`` scores the whole batch in one padded forward.
     """
 
     def __init__(
@@ -75,10 +81,12 @@ class RewardModelModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
+        bucketing: Bucketing | dict | None = None,
     ) -> None:
         super().__init__()
         if center_rewards_coef < 0:
             raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
+        bucketing = self.set_bucketing(bucketing)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
         self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
@@ -90,7 +98,7 @@ class RewardModelModule(SingleModelModule):
 
     def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
         check_batch(batch, "preference", type(self).__name__)
-        scores = self(batch["input_ids"], batch["attention_mask"])
+        (scores,) = self.per_row(self, batch["attention_mask"], batch["input_ids"], batch["attention_mask"])
         chosen, rejected = scores.chunk(2)
         margin = batch.get("margin") if self.hparams.use_margin else None
         loss, _ = pairwise_reward_loss(chosen, rejected, margin)

@@ -7,8 +7,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.contract import check_batch
-from lit_rlhf.functional import logprobs_from_logits, masked_mean
+from lit_rlhf.functional import logprobs_from_logits, masked_sum
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
@@ -29,6 +30,11 @@ class SFTModule(SingleModelModule):
         num_samples: validation/test prompts whose greedy completions are logged as a text table
             (``val/samples``, ``test/samples``) at the step of that validation's scalars (0 disables).
         sample_max_new_tokens: length limit of those sample completions.
+        bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields;
+            None = its defaults): where it saves at least ``min_saving`` of the padded tokens, the batch is
+            forwarded as length-sorted micro-batches of at most ``token_budget`` padded tokens with their
+            all-padding columns dropped, their token sums combined into the batch's means; loss and
+            metrics are unchanged (up to float rounding). ``{enabled: false}`` runs one padded forward.
     """
 
     def __init__(
@@ -38,10 +44,12 @@ class SFTModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
         sample_max_new_tokens: int = 48,
+        bucketing: Bucketing | dict | None = None,
     ) -> None:
         super().__init__()
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        bucketing = self.set_bucketing(bucketing)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_causal_lm, optimizer, scheduler)
         # Token-weighted means so perplexity is exp(mean NLL per response token), reduced across ranks.
@@ -52,15 +60,22 @@ class SFTModule(SingleModelModule):
         self._sample_prompts: list[torch.Tensor] = []
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean response-token NLL, token accuracy and the response-token count of a batch."""
         check_batch(batch, "sft", type(self).__name__)  # a clear message instead of a KeyError
-        logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
-        # Token t is predicted from position t-1 (shift by one).
-        labels = batch["input_ids"][:, 1:]
-        mask = batch["response_mask"][:, 1:].bool()
-        logprobs = logprobs_from_logits(logits[:, :-1], labels)
-        loss = -masked_mean(logprobs, mask)
-        correct = (logits[:, :-1].argmax(-1) == labels).float()
-        return loss, masked_mean(correct, mask), mask.sum()
+        n_tokens = batch["response_mask"][:, 1:].bool().sum()
+        nll, acc = 0.0, 0.0
+        # Means over the batch's response tokens as sums over its micro-batches (one: the whole batch).
+        for rows, columns in self.micro_batches(batch["attention_mask"]):
+            ids, attention = batch["input_ids"][rows][:, columns], batch["attention_mask"][rows][:, columns]
+            logits = causal_lm_logits(self.model, ids, attention)
+            # Token t is predicted from position t-1 (shift by one).
+            labels = ids[:, 1:]
+            mask = batch["response_mask"][rows][:, columns][:, 1:].bool()
+            logprobs = logprobs_from_logits(logits[:, :-1], labels)
+            correct = (logits[:, :-1].argmax(-1) == labels).float()
+            nll = nll - masked_sum(logprobs, mask) / n_tokens
+            acc = acc + masked_sum(correct, mask) / n_tokens
+        return nll, acc, n_tokens
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lit_rlhf.batching import Bucketing, scatter_rows, sequence_micro_batches
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
 from lit_rlhf.modules.base import (
@@ -57,6 +58,32 @@ class SingleModelModule(LightningModule):
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
         self.step_guard = StepGuard()
+
+    def set_bucketing(self, bucketing: Bucketing | dict | None) -> dict[str, Any]:
+        """Keep the checked ``bucketing`` settings; returns them as a plain dict (for ``hparams.yaml``)."""
+        self.bucketing = Bucketing.coerce(bucketing, f"{type(self).__name__}: bucketing")
+        return self.bucketing.as_dict()
+
+    def micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[torch.Tensor | slice, slice]]:
+        """(rows, columns) of the forwards over an (N, L) batch: length-bucketed and trimmed under
+        ``bucketing`` where that saves compute, else the whole batch (see :mod:`lit_rlhf.batching`)."""
+        return sequence_micro_batches(attention_mask, self.bucketing)
+
+    def per_row(
+        self, fn: Callable[..., Any], attention_mask: torch.Tensor, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """``fn(*(t[rows][:, columns] for t in tensors))`` on each micro-batch of :meth:`micro_batches`,
+        its (n_i,) outputs (a tensor or a tuple) put back in batch order: (N,) each, differentiable.
+
+        Exact for per-row results (sequence scores and log-probs): a row's numbers do not depend on
+        the other rows of its forward or on padding columns."""
+        batches = self.micro_batches(attention_mask)
+        outputs = []
+        for rows, columns in batches:
+            out = fn(*(t[rows][:, columns] for t in tensors))
+            outputs.append(out if isinstance(out, tuple) else (out,))
+        n, rows = attention_mask.shape[0], [b[0] for b in batches]
+        return tuple(scatter_rows(parts, rows, n) for parts in zip(*outputs))
 
     def persist_train_metrics(self, *metrics: torch.nn.Module) -> None:
         """Keep the running state of epoch-level training metrics in checkpoints, so that an epoch resumed

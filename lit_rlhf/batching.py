@@ -1,0 +1,254 @@
+"""Length-bucketed micro-batches under a token budget: less compute spent on padding, same numbers.
+
+A padded batch spends ``rows x longest row`` tokens of compute. Sorting the rows by length, cutting them
+into micro-batches of at most ``token_budget`` padded tokens (and ``max_rows`` rows), and dropping the
+columns that are padding in every row of a micro-batch spends about the real tokens only. It is not
+packing: each row stays a row, so attention, positions (computed from the mask, see
+``lit_rlhf.models.scoring``) and every per-row result are those of the padded batch; only the matmul
+shapes change (float rounding).
+
+Shapes: N rows, S padded segments per row (1 for a right-padded sequence; 2 for a rollout, whose
+left-padded prompt and right-padded response are padded separately), L columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Bucketing",
+    "MicroBatch",
+    "padded_tokens",
+    "plan_micro_batches",
+    "scatter_rows",
+    "sequence_micro_batches",
+    "rollout_micro_batches",
+    "trim_prompt_response",
+    "trim_sequences",
+]
+
+Rows = torch.Tensor | slice
+MicroBatch = tuple[Rows, slice, int]  # (rows, columns, response length) of one micro-batch
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    token_budget: int | None = None,
+    max_rows: int | None = None,
+    group_size: int = 1,
+) -> list[torch.Tensor]:
+    """Cut rows sorted by length into micro-batches of at most ``token_budget`` padded tokens.
+
+    Groups of ``group_size`` consecutive rows (the K responses of a prompt, a pair) stay whole and in
+    order. Groups are sorted by their padded length, longest first (ties by position: deterministic),
+    and added to the current micro-batch until one more would take it past ``token_budget`` padded
+    tokens (rows x the sum over segments of the longest length) or ``max_rows`` rows. A group that
+    alone exceeds a limit gets a micro-batch of its own.
+
+    Args:
+        lengths: (N,) or (N, S) real tokens of each row (per separately padded segment).
+        token_budget: > 0, the cap on rows x padded length; None = no token cap.
+        max_rows: > 0, the cap on rows per micro-batch; None = no row cap.
+        group_size: rows that must share a micro-batch (N must be a multiple of it).
+
+    Returns:
+        (n_i,) long row indices of each micro-batch; every row appears in exactly one.
+    """
+    if lengths.dim() == 1:
+        lengths = lengths[:, None]  # (N, 1)
+    n, segments = lengths.shape
+    for name, value in (("token_budget", token_budget), ("max_rows", max_rows)):
+        if value is not None and value <= 0:
+            raise ValueError(f"plan_micro_batches: {name} must be > 0 or None, got {value}")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"plan_micro_batches: {n} rows are not whole groups of group_size={group_size}")
+    group_lengths = lengths.detach().long().cpu().view(-1, group_size, segments).amax(dim=1)  # (G, S)
+    order = torch.sort(group_lengths.sum(1), descending=True, stable=True).indices  # (G,)
+    group_rows = torch.arange(n).view(-1, group_size)  # (G, K)
+    widths = group_lengths.tolist()
+    plans: list[list[int]] = []
+    current: list[int] = []
+    longest = [0] * segments
+    for g in order.tolist():
+        merged = [max(a, b) for a, b in zip(longest, widths[g])]
+        rows = (len(current) + 1) * group_size
+        over = (token_budget is not None and rows * sum(merged) > token_budget) or (
+            max_rows is not None and rows > max_rows
+        )
+        if current and over:
+            plans.append(current)
+            current, merged = [], widths[g]
+        current.append(g)
+        longest = merged
+    if current:
+        plans.append(current)
+    return [group_rows[groups].flatten() for groups in plans]
+
+
+def padded_tokens(lengths: torch.Tensor, plan: Sequence[torch.Tensor]) -> int:
+    """Tokens computed by ``plan`` with trimmed micro-batches: sum of rows x the sum of segment maxima."""
+    if lengths.dim() == 1:
+        lengths = lengths[:, None]
+    lengths = lengths.detach().long().cpu()
+    return sum(len(rows) * int(lengths[rows].amax(0).sum()) for rows in plan)
+
+
+@dataclass
+class Bucketing:
+    """Length-bucketed micro-batches (see :mod:`lit_rlhf.batching`): exact, on where it saves compute.
+
+    Attributes:
+        enabled: sort rows by length into micro-batches and trim their all-padding columns (False =
+            the plain padded path: consecutive rows at the batch's full width).
+        token_budget: the most padded tokens (rows x trimmed length) of a bucketed micro-batch
+            (None = no token cap; the online modules' ``forward_batch_size`` still caps the rows).
+        min_saving: in [0, 1): a batch is bucketed only when that removes at least this share of the
+            plain path's padded tokens; otherwise it takes the plain path (short or equal-length rows
+            gain nothing from more, smaller forwards).
+    """
+
+    enabled: bool = True
+    token_budget: int | None = 4096
+    min_saving: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None and self.token_budget <= 0:
+            raise ValueError(f"bucketing.token_budget must be > 0 or None, got {self.token_budget}")
+        if not 0.0 <= self.min_saving < 1.0:
+            raise ValueError(f"bucketing.min_saving must be in [0, 1), got {self.min_saving}")
+
+    @classmethod
+    def coerce(cls, value: Any, argument: str = "bucketing") -> Bucketing:
+        """Settings from what a user passes: ``Bucketing``, a dict of its fields, None (defaults) or a bool
+        (``enabled``).
+
+        Raises:
+            TypeError: another type, or a dict with unknown fields (named with ``argument``).
+            ValueError: a field out of range.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            return cls(enabled=value)
+        if isinstance(value, dict):
+            names = [f.name for f in fields(cls)]
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise TypeError(f"{argument}: unknown Bucketing field(s) {unknown}; valid ones are {names}")
+            return cls(**value)
+        raise TypeError(f"{argument}: expected Bucketing, a dict of its fields or a bool, got {type(value).__name__}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def plan(
+        self, lengths: torch.Tensor, width: int, max_rows: int | None = None, group_size: int = 1
+    ) -> list[torch.Tensor] | None:
+        """The bucketed plan of rows of ``lengths`` (N,) or (N, S) padded to ``width`` columns, or None
+        where the plain path is taken (disabled, or saving less than ``min_saving``)."""
+        if not self.enabled or lengths.shape[0] == 0:
+            return None
+        plan = plan_micro_batches(lengths, self.token_budget, max_rows, group_size)
+        plain = lengths.shape[0] * width
+        return plan if padded_tokens(lengths, plan) <= (1.0 - self.min_saving) * plain else None
+
+
+def trim_sequences(attention_mask: torch.Tensor) -> slice:
+    """The columns from the first to the last one holding a real token in any row (at least one column).
+
+    Args:
+        attention_mask: (b, L), 1 on real tokens, any padding side.
+    """
+    real = attention_mask.bool().any(0).nonzero().flatten()  # (columns with a real token,)
+    if real.numel() == 0:
+        return slice(0, 1)
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def trim_prompt_response(attention_mask: torch.Tensor, response_length: int) -> tuple[slice, int]:
+    """Columns of (left-padded prompt + right-padded response) rows that are not padding in every row.
+
+    Args:
+        attention_mask: (b, P+T) mask of the rows. response_length: T.
+
+    Returns:
+        columns: the slice of the P+T columns to keep (at least one prompt column); t: the response
+        columns kept, at least 1 (the kept columns end with them).
+    """
+    prompt_length = attention_mask.shape[1] - response_length
+    real = attention_mask.bool().any(0)  # (P+T,)
+    prompt_real = real[:prompt_length].nonzero().flatten()
+    start = min(int(prompt_real[0]), prompt_length - 1) if prompt_real.numel() else prompt_length - 1
+    response_real = real[prompt_length:].nonzero().flatten()
+    t = int(response_real[-1]) + 1 if response_real.numel() else 1
+    return slice(start, prompt_length + t), t
+
+
+def rollout_micro_batches(
+    attention_mask: torch.Tensor,
+    response_length: int,
+    bucketing: Bucketing,
+    max_rows: int,
+    group_size: int = 1,
+) -> list[MicroBatch]:
+    """(rows, columns, t) of the micro-batches of (B, P+T) prompt + response rows.
+
+    Bucketed: length-sorted rows with their trimmed columns and response length t; plain: consecutive
+    chunks of ``max_rows`` rows at the full width (today's layout).
+    """
+    n, width = attention_mask.shape
+    prompt_length = width - response_length
+    lengths = torch.stack(
+        [attention_mask[:, :prompt_length].sum(1), attention_mask[:, prompt_length:].sum(1)], dim=1
+    )  # (B, 2)
+    plan = bucketing.plan(lengths, width, max_rows, group_size)
+    if plan is None:
+        full = slice(0, width)
+        return [(slice(s, min(s + max_rows, n)), full, response_length) for s in range(0, n, max_rows)]
+    rows = [index.to(attention_mask.device) for index in plan]
+    return [(index, *trim_prompt_response(attention_mask[index], response_length)) for index in rows]
+
+
+def sequence_micro_batches(
+    attention_mask: torch.Tensor, bucketing: Bucketing, group_size: int = 1
+) -> list[tuple[Rows, slice]]:
+    """(rows, columns) of the micro-batches of (N, L) sequences padded on any side.
+
+    Bucketed: length-sorted rows under the token budget with their trimmed columns; plain: the whole
+    batch at its full width.
+    """
+    n, width = attention_mask.shape
+    plan = bucketing.plan(attention_mask.sum(1), width, None, group_size)
+    if plan is None:
+        return [(slice(0, n), slice(0, width))]
+    rows = [index.to(attention_mask.device) for index in plan]
+    return [(index, trim_sequences(attention_mask[index])) for index in rows]
+
+
+def scatter_rows(parts: Sequence[torch.Tensor], rows: Sequence[Rows], n: int, width: int | None = None) -> torch.Tensor:
+    """Micro-batch outputs back in batch order (differentiable).
+
+    Args:
+        parts: (n_i,) or (n_i, w_i) outputs of each micro-batch, w_i <= width.
+        rows: the row indices of each micro-batch, or consecutive slices in batch order (plain path).
+        n: rows of the batch. width: the output's columns (2-D parts are zero-padded on the right).
+
+    Returns:
+        (n,) or (n, width).
+    """
+    if width is not None:
+        parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
+    out = torch.cat(list(parts))
+    if all(isinstance(r, slice) for r in rows):  # the plain path: consecutive chunks in order
+        return out
+    device = out.device
+    order = torch.cat(
+        [torch.arange(n, device=device)[r] if isinstance(r, slice) else r.to(device) for r in rows]
+    )  # (n,) batch row of each output row
+    return out[torch.argsort(order)]
