@@ -8,12 +8,8 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lit_rlhf.data.contract import check_batch
-from lit_rlhf.functional import logprobs_from_logits, masked_mean
-from lit_rlhf.models import (
-    ModelSpec,
-    build_causal_lm,
-    causal_lm_logits,
-)
+from lit_rlhf.functional import masked_mean
+from lit_rlhf.models import ModelSpec, build_causal_lm, next_token_logprobs
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -53,13 +49,14 @@ class SFTModule(SingleModelModule):
 
     def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_batch(batch, "sft", type(self).__name__)  # a clear message instead of a KeyError
-        logits = causal_lm_logits(self.model, batch["input_ids"], batch["attention_mask"])
-        # Token t is predicted from position t-1 (shift by one).
-        labels = batch["input_ids"][:, 1:]
-        mask = batch["response_mask"][:, 1:].bool()
-        logprobs = logprobs_from_logits(logits[:, :-1], labels)
+        # Token t is predicted from position t-1 (shift by one); only response tokens are scored.
+        labels = batch["input_ids"][:, 1:]  # (B, L-1)
+        mask = batch["response_mask"][:, 1:].bool()  # (B, L-1)
+        logprobs, predicted = next_token_logprobs(
+            self.model, batch["input_ids"], batch["attention_mask"], mask, argmax=True
+        )  # (B, L-1), (B, L-1)
         loss = -masked_mean(logprobs, mask)
-        correct = (logits[:, :-1].argmax(-1) == labels).float()
+        correct = (predicted == labels).float()  # (B, L-1)
         return loss, masked_mean(correct, mask), mask.sum()
 
     @override
