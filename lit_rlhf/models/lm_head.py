@@ -6,7 +6,7 @@ its head fed an empty slice (a forward pre-hook captures the head's input, the f
 and hands the head zero positions), then the head is applied to at most ``chunk_elements // V``
 tokens at a time, each chunk under non-reentrant activation checkpointing: autograd keeps only the
 (tokens, H) hidden states and recomputes a chunk's logits in the backward, so no more than one chunk of
-logits exists at once (the "chunked cross-entropy" of Liger-Kernel, arXiv 2410.10989, section 3.3,
+logits exists at once (the idea of Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989, here
 without a fused kernel).
 
 Exactness: the chunk's logits are the same head applied to the same hidden rows, and the float32 math
@@ -112,13 +112,14 @@ def _whole_linear_weight(head: nn.Module) -> bool:
 
 
 def _sharded(model: nn.Module, head: nn.Module) -> bool:
-    """Whether FSDP shards the head (FSDP2: DTensor parameters) or wraps the model (FSDP1)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    """Whether FSDP manages the model: FSDP2 (``fully_shard``: DTensor parameters, swapped for unsharded
+    ones around a forward) or FSDP1 (``FullyShardedDataParallel``: flat parameters)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in head.parameters()):
         return True
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 def final_hidden_states(
