@@ -299,3 +299,25 @@ def test_model_spec_switch(tokenizer_dir):
         assert (chunkable_head(model, 1) is not None) == (mode == "on")
     lora = ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, lora={"r": 2}, logits_chunking="on")
     assert chunkable_head(build_causal_lm(lora, tokenizer), 1) is not None
+
+
+def test_sft_step_equal_with_and_without_chunking(tokenizer_dir):
+    """SFTModule's loss, token accuracy and gradients with ModelSpec.logits_chunking on and off."""
+    from lit_rlhf.modules import SFTModule
+
+    ids, mask = _rollout_batch()
+    response_mask = torch.zeros_like(mask)
+    response_mask[:, P:] = mask[:, P:]
+    batch = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask}
+    results = []
+    for mode in ("off", "on"):
+        spec = {"config": llama_config(VOCAB), "tokenizer": tokenizer_dir, "seed": 0, "logits_chunking": mode}
+        module = SFTModule(spec)
+        assert (chunkable_head(module.model, 1) is not None) == (mode == "on")
+        loss, accuracy, n_tokens = module._step(batch)
+        loss.backward()
+        results.append(((loss, accuracy, n_tokens), _grads(module.model)))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-6)
+    assert torch.equal(chunked[1], plain[1]) and torch.equal(chunked[2], plain[2])
+    _assert_grads_equal(plain_grads, chunked_grads)
