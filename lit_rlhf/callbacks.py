@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -192,10 +191,8 @@ class PeakMemory(Callback):
             path = Path(self.output)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({k.split("/", 1)[1]: v for k, v in figures.items()}, indent=1) + "\n")
-        rank_zero_info(
-            "PeakMemory: training peak RSS %.0f MB (%+.0f MB over the start of training)"
-            % (peak, figures.get("memory/train_peak_rss_growth_mb", float("nan")))
-        )
+        growth = figures.get("memory/train_peak_rss_growth_mb", float("nan"))
+        rank_zero_info(f"PeakMemory: training peak RSS {peak:.0f} MB ({growth:+.0f} MB over the start of training)")
 
 
 def _proc_status_mb(field: str) -> float | None:

@@ -18,7 +18,7 @@ from lit_rlhf.functional.kl_controllers import (
     KLController,
     PPOPenaltyKLController,
 )
-from lit_rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
+from lit_rlhf.functional.logprobs import entropy_from_logits, label_logprobs_and_entropy, logprobs_from_logits
 from lit_rlhf.functional.losses import (
     DPO_LOSS_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -69,6 +69,7 @@ __all__ = [
     "kl_penalty",
     "kl_penalty_policy_loss",
     "kl_shaped_rewards",
+    "label_logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_moments",

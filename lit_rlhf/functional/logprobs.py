@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_rlhf.functional._checks import as_float, check_number
 
-__all__ = ["entropy_from_logits", "logprobs_from_logits"]
+__all__ = ["entropy_from_logits", "label_logprobs_and_entropy", "logprobs_from_logits"]
 
 # Logits upcast to float32 at a time: 2**24 elements = 64 MiB of float32 per slice.
 _CHUNK_ELEMENTS = 1 << 24
@@ -57,9 +57,7 @@ def logprobs_from_logits(
             )
 
     def label_logprob(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
-        z = _scaled(chunk, temperature)
-        picked = z.gather(-1, chunk_labels.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(z, dim=-1)
+        return label_logprobs_and_entropy(chunk, chunk_labels, temperature, entropy=False)[0]
 
     return _apply_chunked(label_logprob, logits, labels)
 
@@ -78,9 +76,37 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
     def entropy(chunk: torch.Tensor) -> torch.Tensor:
         z = _scaled(chunk, temperature)
-        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        return _entropy(z, torch.logsumexp(z, dim=-1))
 
     return _apply_chunked(entropy, logits)
+
+
+def label_logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 math of one slice of logits, unchecked and unchunked (the caller bounds the slice).
+
+    With z = logits / temperature (upcast first): log p(label) = z[label] - logsumexp(z) and
+    H = logsumexp(z) - sum(softmax(z) * z). Shared by the functions above and the chunked LM head
+    (``lit_rlhf.models.lm_head``), so both paths run the same operations.
+
+    Args:
+        logits: (..., V) any float dtype.
+        labels: (...) token ids in [0, V).
+        temperature: > 0.
+        entropy: also compute the entropy (else None is returned for it).
+
+    Returns:
+        log-probs (...) and entropy (...) or None, float32 (float64 kept).
+    """
+    z = _scaled(logits, temperature)  # (..., V)
+    lse = torch.logsumexp(z, dim=-1)  # (...)
+    logp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse  # (...)
+    return logp, _entropy(z, lse) if entropy else None
+
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
 def _check_logits(fn: str, logits: torch.Tensor, temperature: float) -> None:

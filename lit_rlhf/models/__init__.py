@@ -1,6 +1,13 @@
 """Building, loading, exporting and scoring Hugging Face models (see DESIGN.md, models/)."""
 
 from lit_rlhf.models.forwards import chunked, critic_values, policy_forward, reward_model_scores
+from lit_rlhf.models.lm_head import (
+    LOGITS_CHUNKING_THRESHOLD,
+    chunkable_head,
+    final_hidden_states,
+    head_token_scores,
+    set_logits_chunking,
+)
 from lit_rlhf.models.loading import (
     build_causal_lm,
     build_score_model,
@@ -14,6 +21,7 @@ from lit_rlhf.models.scoring import (
     causal_lm_logits,
     causal_lm_logits_and_hidden,
     last_token_index,
+    next_token_logprobs,
     position_ids_from_mask,
     response_logprobs,
     sequence_scores,
@@ -28,6 +36,7 @@ from lit_rlhf.models.tokenizer import (
 )
 
 __all__ = [
+    "LOGITS_CHUNKING_THRESHOLD",
     "SIMPLE_CHAT_TEMPLATE",
     "ModelSpec",
     "ValueHead",
@@ -35,13 +44,17 @@ __all__ = [
     "build_score_model",
     "causal_lm_logits",
     "causal_lm_logits_and_hidden",
+    "chunkable_head",
     "chunked",
     "critic_values",
     "disable_dropout",
     "ensure_pad_token",
     "export_pretrained",
+    "final_hidden_states",
     "frozen_copy",
+    "head_token_scores",
     "last_token_index",
+    "next_token_logprobs",
     "load_tokenizer",
     "policy_forward",
     "position_ids_from_mask",
@@ -49,6 +62,7 @@ __all__ = [
     "reward_model_scores",
     "response_logprobs",
     "sequence_scores",
+    "set_logits_chunking",
     "token_values",
     "train_bpe_tokenizer",
 ]

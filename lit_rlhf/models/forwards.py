@@ -11,7 +11,13 @@ from collections.abc import Iterable
 import torch
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits
-from lit_rlhf.models.scoring import causal_lm_logits_and_hidden, sequence_scores, token_values
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_token_scores
+from lit_rlhf.models.scoring import (
+    _forward_kwargs,
+    causal_lm_logits_and_hidden,
+    sequence_scores,
+    token_values,
+)
 
 __all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores"]
 
@@ -36,6 +42,11 @@ def policy_forward(
     Returns:
         logprobs (B, T) float32, entropy (B, T) float32, values (B, T) float32 or None.
     """
+    head = chunkable_head(actor, input_ids.shape[0] * (response_length + 1))
+    if head is not None:
+        return _chunked_policy_forward(
+            actor, head, input_ids, attention_mask, response_length, temperature, value_head, entropy_grad
+        )
     # Position P-1+t predicts response token t: only the last T+1 positions need the LM head.
     logits, hidden = causal_lm_logits_and_hidden(
         actor, input_ids, attention_mask, logits_to_keep=response_length + 1
@@ -50,6 +61,33 @@ def policy_forward(
     if value_head is not None:
         values = value_head(hidden[:, -response_length - 1 : -1])
     return logprobs, entropy, values
+
+
+def _chunked_policy_forward(
+    actor: torch.nn.Module,
+    head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    value_head: torch.nn.Module | None,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`policy_forward` with the LM head applied in chunks (``lit_rlhf.models.lm_head``)."""
+    batch, T = input_ids.shape[0], response_length
+    kwargs = _forward_kwargs(input_ids, attention_mask)
+    hidden = final_hidden_states(actor, head, kwargs, logits_to_keep=T + 1)[:, :-1]  # (B, T, H)
+    labels = input_ids[:, -T:] if T else input_ids[:, :0]  # (B, T)
+    scores = head_token_scores(
+        head,
+        hidden.reshape(batch * T, -1),
+        labels.reshape(-1),
+        temperature,
+        entropy=True,
+        entropy_grad=entropy_grad,
+    )  # (B*T,)
+    values = None if value_head is None else value_head(hidden)  # (B, T)
+    return scores.logprobs.view(batch, T), scores.entropy.view(batch, T), values
 
 
 def critic_values(

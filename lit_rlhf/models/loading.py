@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from lit_rlhf.guards import check_finite_weights
+from lit_rlhf.models.lm_head import set_logits_chunking
 from lit_rlhf.models.spec import ModelSpec
 
 
@@ -118,7 +119,9 @@ def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.M
             model = AutoModelForCausalLM.from_pretrained(
                 spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code
             )
-        return _prepare(model, spec, tokenizer, "CAUSAL_LM")
+        model = _prepare(model, spec, tokenizer, "CAUSAL_LM")
+    set_logits_chunking(model, spec.logits_chunking)
+    return model
 
 
 def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:

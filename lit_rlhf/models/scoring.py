@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import logprobs_from_logits, masked_sum
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_token_scores
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,44 @@ def causal_lm_logits_and_hidden(
     return out.logits, out.hidden_states[-1]
 
 
+def next_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the tokens of (B, L) rows given their prefix, at the positions of ``score_mask``.
+
+    Token ``t + 1`` is scored from the logits at position ``t``. With a large vocabulary the LM head is
+    applied in chunks to the scored positions only (``lit_rlhf.models.lm_head``; setting
+    ``ModelSpec.logits_chunking``), else the full logits are computed; both give the same numbers.
+
+    Args:
+        model: an ``*ForCausalLM`` model (plain or peft).
+        input_ids: (B, L), any padding side.
+        attention_mask: (B, L), 1 for real tokens.
+        score_mask: (B, L-1) bool, True where token ``t + 1`` is to be scored.
+        argmax: also return the most likely next token (SFT's token accuracy).
+
+    Returns:
+        logprobs (B, L-1) float32, 0 outside ``score_mask``; argmax (B, L-1) long, -1 outside
+        ``score_mask`` (or None).
+    """
+    labels = input_ids[:, 1:]  # (B, L-1): token t+1 is predicted at position t
+    head = chunkable_head(model, score_mask.numel())
+    if head is None:
+        logits = causal_lm_logits(model, input_ids, attention_mask)[:, :-1]  # (B, L-1, V)
+        logprobs = torch.where(score_mask, logprobs_from_logits(logits, labels), 0.0)  # (B, L-1)
+        predicted = torch.where(score_mask, logits.argmax(-1), -1) if argmax else None  # (B, L-1)
+        return logprobs, predicted
+    hidden = final_hidden_states(model, head, _forward_kwargs(input_ids, attention_mask))  # (B, L, H)
+    scores = head_token_scores(head, hidden[:, :-1][score_mask], labels[score_mask], argmax=argmax)  # (N,)
+    logprobs = scores.logprobs.new_zeros(labels.shape).masked_scatter(score_mask, scores.logprobs)
+    predicted = labels.new_full(labels.shape, -1).masked_scatter(score_mask, scores.argmax) if argmax else None
+    return logprobs, predicted
+
+
 def response_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,10 +140,8 @@ def response_logprobs(
         logps (N,) float32, the sum of the response tokens' log-probs (with grad when the model has
         it), and n_tokens (N,) long, the response lengths (for length-averaged log-probs).
     """
-    logits = causal_lm_logits(model, input_ids, attention_mask)  # (N, L, V)
-    labels = input_ids[:, 1:]  # (N, L-1): token t+1 is predicted at position t
     mask = response_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # (N, L-1)
-    token_logps = logprobs_from_logits(logits[:, :-1], labels)  # (N, L-1) float32
+    token_logps, _ = next_token_logprobs(model, input_ids, attention_mask, mask)  # (N, L-1) float32
     return masked_sum(token_logps, mask, dim=1), mask.sum(dim=1)  # (N,), (N,)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
+LogitsChunking = Literal["auto", "on", "off"]
 
 
 def _lora_field_names() -> set[str]:
@@ -33,6 +34,12 @@ class ModelSpec:
         trust_remote_code: allow model/tokenizer code from the hub repository to run.
         seed: seed of every random initialisation (inline config, new heads, new embedding rows, LoRA);
             None draws them from the global RNG, so ``seed_everything`` decides.
+        logits_chunking: how a causal LM's log-probs, entropy and SFT accuracy are computed: ``on``
+            applies the LM head to chunks of tokens from the final hidden states, recomputed in backward,
+            so the (tokens x vocabulary) logits never exist at once; ``off`` computes the full logits;
+            ``auto`` chunks when they would hold >= 2**25 elements (e.g. 8 x 512 tokens at a 32k
+            vocabulary). Equal results either way; architectures or FSDP sharding where chunking is not
+            exact (logit softcapping, a sharded head) always take the full-logits path.
     """
 
     name_or_path: str | None = None
@@ -43,6 +50,7 @@ class ModelSpec:
     lora: dict[str, Any] | None = None
     trust_remote_code: bool = False
     seed: int | None = None
+    logits_chunking: LogitsChunking = "auto"
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -63,6 +71,10 @@ class ModelSpec:
                 )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"ModelSpec.dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.logits_chunking not in ("auto", "on", "off"):
+            raise ValueError(
+                f"ModelSpec.logits_chunking: expected 'auto', 'on' or 'off', got {self.logits_chunking!r}"
+            )
         if self.lora is not None:
             self._check_lora()
 

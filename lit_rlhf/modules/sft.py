@@ -9,12 +9,8 @@ from typing_extensions import override
 
 from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.contract import check_batch
-from lit_rlhf.functional import logprobs_from_logits, masked_sum
-from lit_rlhf.models import (
-    ModelSpec,
-    build_causal_lm,
-    causal_lm_logits,
-)
+from lit_rlhf.functional import masked_sum
+from lit_rlhf.models import ModelSpec, build_causal_lm, next_token_logprobs
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -67,12 +63,11 @@ class SFTModule(SingleModelModule):
         # Means over the batch's response tokens as sums over its micro-batches (one: the whole batch).
         for rows, columns in self.micro_batches(batch["attention_mask"]):
             ids, attention = batch["input_ids"][rows][:, columns], batch["attention_mask"][rows][:, columns]
-            logits = causal_lm_logits(self.model, ids, attention)
-            # Token t is predicted from position t-1 (shift by one).
-            labels = ids[:, 1:]
-            mask = batch["response_mask"][rows][:, columns][:, 1:].bool()
-            logprobs = logprobs_from_logits(logits[:, :-1], labels)
-            correct = (logits[:, :-1].argmax(-1) == labels).float()
+            # Token t is predicted from position t-1 (shift by one); only response tokens are scored.
+            labels = ids[:, 1:]  # (b, l-1)
+            mask = batch["response_mask"][rows][:, columns][:, 1:].bool()  # (b, l-1)
+            logprobs, predicted = next_token_logprobs(self.model, ids, attention, mask, argmax=True)  # (b, l-1) x2
+            correct = (predicted == labels).float()  # (b, l-1)
             nll = nll - masked_sum(logprobs, mask) / n_tokens
             acc = acc + masked_sum(correct, mask) / n_tokens
         return nll, acc, n_tokens

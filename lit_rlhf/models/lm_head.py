@@ -1,0 +1,204 @@
+"""Log-probs, entropy and argmax from the final hidden states, the LM head applied to chunks of tokens.
+
+A causal LM's forward materialises (B, L, V) logits: at a real vocabulary (32k-152k) the largest tensor
+of an update, kept for the backward together with its gradient. Here the model's own forward runs with
+its head fed an empty slice (a forward pre-hook captures the head's input, the final hidden states,
+and hands the head zero positions), then the head is applied to at most ``chunk_elements // V``
+tokens at a time, each chunk under non-reentrant activation checkpointing: autograd keeps only the
+(tokens, H) hidden states and recomputes a chunk's logits in the backward, so no more than one chunk of
+logits exists at once (the idea of Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989, here
+without a fused kernel).
+
+Exactness: the chunk's logits are the same head applied to the same hidden rows, and the float32 math
+after them is :func:`~lit_rlhf.functional.label_logprobs_and_entropy`, the one the plain path uses, so
+the results equal the plain path's up to the order of the matmul's row blocks. It is used only where
+that holds (:func:`chunkable_head`): architectures whose ``*ForCausalLM.forward`` is ``logits =
+lm_head(hidden)`` with nothing after the head (no softcapping or scaling) and a head whose weight is
+whole on this rank (not sharded by FSDP). Everything else takes the plain path.
+
+Shapes: B rows, L sequence length, H hidden size, V vocabulary, N scored tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lit_rlhf.functional import label_logprobs_and_entropy
+from lit_rlhf.models.spec import LogitsChunking
+
+__all__ = [
+    "LOGITS_CHUNKING_THRESHOLD",
+    "LogitsChunking",
+    "TokenScores",
+    "chunkable_head",
+    "final_hidden_states",
+    "head_token_scores",
+    "set_logits_chunking",
+]
+
+# "auto" chunks when the plain path's logits would hold at least this many elements (128 MiB of float32):
+# below it the recomputation in backward costs time for little memory (the demo's 640-token vocabulary
+# stays on the plain path).
+LOGITS_CHUNKING_THRESHOLD = 1 << 25
+# Logits per chunk: 2**24 elements = 64 MiB of float32 (e.g. 524 tokens at V = 32,000).
+_CHUNK_ELEMENTS = 1 << 24
+# ForCausalLM forwards read in transformers 5.24 to end in `logits = self.lm_head(hidden_states[...])`.
+_EXACT_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
+# Config fields of models that transform the logits after the head (Gemma 2/3, Cohere, Granite, ...).
+_POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_SETTING_ATTR = "_lit_rlhf_logits_chunking"
+
+
+class TokenScores(NamedTuple):
+    """Per-token outputs of :func:`head_token_scores` (N scored tokens)."""
+
+    logprobs: torch.Tensor  # (N,) float32 log softmax(z)[label]
+    entropy: torch.Tensor | None  # (N,) float32, when asked for
+    argmax: torch.Tensor | None  # (N,) long, when asked for
+
+
+def set_logits_chunking(model: nn.Module, mode: LogitsChunking) -> None:
+    """Record on ``model`` whether its log-probs are computed with the chunked LM head
+    (``build_causal_lm`` records ``ModelSpec.logits_chunking``).
+
+    Args:
+        model: a causal LM (plain or peft); the setting travels with copies (``frozen_copy``).
+        mode: ``"auto"`` chunks when the logits would hold at least ``LOGITS_CHUNKING_THRESHOLD``
+            elements, ``"on"`` always, ``"off"`` never; ``"auto"``/``"on"`` fall back to the plain path
+            where chunking is not exact (see :func:`chunkable_head`).
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"logits_chunking: expected 'auto', 'on' or 'off', got {mode!r}")
+    setattr(model, _SETTING_ATTR, mode)
+
+
+def chunkable_head(model: nn.Module, n_tokens: int, mode: LogitsChunking | None = None) -> nn.Module | None:
+    """The LM head to apply in chunks, or None when the plain path is to be used.
+
+    Args:
+        model: a causal LM (plain or peft).
+        n_tokens: positions whose logits the plain path would materialise (B x L, or B x kept).
+        mode: overrides the setting recorded by :func:`set_logits_chunking` (default ``"auto"``).
+
+    Returns:
+        ``model.get_output_embeddings()`` (a peft-wrapped head included, so adapters and
+        ``disable_adapter`` apply) when chunking is asked for and exact, else None.
+    """
+    mode = mode if mode is not None else getattr(model, _SETTING_ATTR, "auto")
+    if mode == "off":
+        return None
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _EXACT_MODEL_TYPES:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _POST_HEAD_FIELDS):
+        return None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Module) or not _whole_linear_weight(head) or _sharded(model, head):
+        return None
+    if mode == "auto" and n_tokens * head.weight.shape[0] < LOGITS_CHUNKING_THRESHOLD:
+        return None
+    return head
+
+
+def _whole_linear_weight(head: nn.Module) -> bool:
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _sharded(model: nn.Module, head: nn.Module) -> bool:
+    """Whether FSDP manages the model: FSDP2 (``fully_shard``: DTensor parameters, swapped for unsharded
+    ones around a forward) or FSDP1 (``FullyShardedDataParallel``: flat parameters)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in head.parameters()):
+        return True
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def final_hidden_states(
+    model: nn.Module, head: nn.Module, forward_kwargs: dict, logits_to_keep: int = 0
+) -> torch.Tensor:
+    """The head's input (after the final norm) from the model's own forward, without the head's matmul.
+
+    Going through the model's forward keeps peft, activation-checkpointing and other hooks of the
+    top-level module in the path; a pre-hook on the head captures its input and gives it zero
+    positions instead, so the (B, L, V) logits are never computed.
+
+    Args:
+        model: the causal LM. head: its ``get_output_embeddings()``.
+        forward_kwargs: input_ids, attention_mask, position_ids, ... of the forward.
+        logits_to_keep: > 0 keeps the last ``logits_to_keep`` positions (HF's argument).
+
+    Returns:
+        (B, L, H) hidden states (or (B, logits_to_keep, H)).
+    """
+    captured: list[torch.Tensor] = []
+
+    def capture(_module: nn.Module, args: tuple) -> tuple:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(capture)
+    try:
+        model(**forward_kwargs, logits_to_keep=logits_to_keep)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def head_token_scores(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+    argmax: bool = False,
+    chunk_elements: int | None = None,
+) -> TokenScores:
+    """Log-probs (and entropy, argmax) of ``head(hidden) / temperature``, a chunk of tokens at a time.
+
+    Args:
+        head: the LM head, (..., H) -> (..., V).
+        hidden: (N, H) final hidden states (the rows to score only).
+        labels: (N,) token ids in [0, V), the token each row predicts.
+        temperature: > 0, divides the logits (as during sampling).
+        entropy: also return the entropy; entropy_grad: keep its autograd graph.
+        argmax: also return the most likely token (SFT's token accuracy).
+        chunk_elements: logits per chunk (tokens per chunk = chunk_elements // V, at least 1); None
+            for 2**24 (64 MiB of float32).
+
+    Returns:
+        :class:`TokenScores`, each (N,).
+    """
+    n_tokens, _ = hidden.shape
+    vocab = head.weight.shape[0]  # (V, H); peft wrappers expose their base layer's weight
+    tokens_per_chunk = max(1, (chunk_elements or _CHUNK_ELEMENTS) // vocab)
+    use_checkpoint = torch.is_grad_enabled()
+
+    def score(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = head(h)  # (n, V), recomputed in backward
+        logp, ent = label_logprobs_and_entropy(logits, y, temperature, entropy=entropy)  # (n,), (n,)
+        outputs = (logp,) + ((ent,) if entropy else ()) + ((logits.argmax(-1),) if argmax else ())
+        return outputs
+
+    run: Callable[..., tuple[torch.Tensor, ...]] = (
+        (lambda h, y: checkpoint(score, h, y, use_reentrant=False)) if use_checkpoint else score
+    )
+    if n_tokens == 0:
+        parts = [score(hidden, labels)]
+    else:
+        parts = [run(h, y) for h, y in zip(hidden.split(tokens_per_chunk), labels.split(tokens_per_chunk))]
+    columns = [torch.cat(column) for column in zip(*parts)]
+    logprobs = columns.pop(0)
+    ent = columns.pop(0) if entropy else None
+    if ent is not None and not entropy_grad:
+        ent = ent.detach()
+    return TokenScores(logprobs, ent, columns.pop(0) if argmax else None)

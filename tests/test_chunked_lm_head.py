@@ -1,0 +1,323 @@
+"""The chunked LM head (lit_rlhf.models.lm_head) equals the full-logits path: log-probs, entropy, argmax
+and the gradients of every parameter, for a tied GPT-2, an untied Llama and a LoRA model; it falls back
+where it is not exact, and never keeps (tokens x vocabulary) logits for the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpt2_config, llama_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_rlhf.models import (
+    LOGITS_CHUNKING_THRESHOLD,
+    ModelSpec,
+    ValueHead,
+    build_causal_lm,
+    chunkable_head,
+    final_hidden_states,
+    head_token_scores,
+    load_tokenizer,
+    next_token_logprobs,
+    policy_forward,
+    reference_logits_context,
+    response_logprobs,
+    set_logits_chunking,
+)
+from lit_rlhf.models import lm_head as lm_head_module
+from lit_rlhf.models.scoring import _forward_kwargs
+
+VOCAB = 300
+B, P, T = 3, 6, 7
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """5 tokens per chunk, so every test runs several chunks (and a ragged last one)."""
+    monkeypatch.setattr(lm_head_module, "_CHUNK_ELEMENTS", 5 * VOCAB)
+
+
+def _model(kind: str, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> torch.nn.Module:
+    fields = gpt2_config(vocab) if kind == "gpt2" else llama_config(vocab)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    return model.to(dtype).eval()
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    target = ["c_attn", "lm_head"] if model.config.model_type == "gpt2" else ["q_proj", "v_proj", "lm_head"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target))
+    with torch.no_grad():  # LoRA's B starts at 0: make the adapters change the outputs
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    return peft_model
+
+
+def _rollout_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P+T) left-padded prompts and right-padded responses."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, P + T), generator=gen)
+    mask = torch.ones(B, P + T, dtype=torch.long)
+    mask[0, :2] = 0  # a shorter prompt
+    mask[1, -3:] = 0  # a response that stopped early
+    return ids, mask
+
+
+def _grads(model: torch.nn.Module, *extra: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = [*model.named_parameters(), *(p for m in extra for p in m.named_parameters(prefix="extra"))]
+    return {name: p.grad.clone() for name, p in params if p.grad is not None}
+
+
+def _run_both(model, fn):
+    """fn() under "off" then "on": (outputs, grads) of each; gradients zeroed in between."""
+    results = []
+    for mode in ("off", "on"):
+        set_logits_chunking(model, mode)
+        model.zero_grad(set_to_none=True)
+        results.append(fn())
+    return results
+
+
+def _assert_grads_equal(plain: dict, chunked: dict) -> None:
+    """Equal up to the order of float sums (chunks accumulate the head's gradient one at a time):
+    relative 1e-5, absolute 1e-6 of the tensor's largest entry in float32 (1e-13 in float64)."""
+    assert plain.keys() == chunked.keys() and plain
+    for name, want in plain.items():
+        tol = 1e-6 if want.dtype == torch.float32 else 1e-13
+        scale = want.abs().max().item()
+        torch.testing.assert_close(
+            chunked[name], want, rtol=10 * tol, atol=tol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize(("lora", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float64)])
+def test_policy_forward_equals_full_logits(kind, lora, dtype):
+    model = _model(kind, dtype)
+    if lora:
+        model = _lora(model)
+    assert chunkable_head(model, 1, mode="on") is not None
+    value_head = ValueHead(model.config.hidden_size).to(dtype)
+    torch.nn.init.normal_(value_head.linear.weight)
+    ids, mask = _rollout_batch()
+
+    def step():
+        value_head.zero_grad(set_to_none=True)
+        logprobs, entropy, values = policy_forward(model, ids, mask, T, temperature=0.7, value_head=value_head)
+        (logprobs.sum() - 0.1 * entropy.sum() + values.square().sum()).backward()
+        return (logprobs, entropy, values), _grads(model, value_head)
+
+    (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
+    for got, want in zip(chunked, plain):
+        assert got.shape == want.shape == (B, T) and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-13)
+    _assert_grads_equal(plain_grads, chunked_grads)
+    if kind == "gpt2" and not lora:  # the tied embedding/head received both gradients
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_policy_forward_entropy_without_graph(kind):
+    model = _model(kind)
+    ids, mask = _rollout_batch()
+
+    def step():
+        logprobs, entropy, _ = policy_forward(model, ids, mask, T, temperature=1.3, entropy_grad=False)
+        assert not entropy.requires_grad
+        logprobs.sum().backward()
+        return (logprobs, entropy), _grads(model)
+
+    (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
+    for got, want in zip(chunked, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    _assert_grads_equal(plain_grads, chunked_grads)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_response_logprobs_equal_full_logits(kind, lora):
+    model = _model(kind)
+    if lora:
+        model = _lora(model)
+    ids, mask = _rollout_batch()
+    response_mask = torch.zeros_like(mask)
+    response_mask[:, P:] = 1
+
+    def step():
+        logps, n_tokens = response_logprobs(model, ids, mask, response_mask)
+        (logps * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+        return (logps, n_tokens), _grads(model)
+
+    (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-5)  # sums of T log-probs
+    assert torch.equal(chunked[1], plain[1]) and chunked[1].tolist() == [T, T - 3, T]
+    _assert_grads_equal(plain_grads, chunked_grads)
+    if lora:  # the reference (adapters off) differs from the policy, identically on both paths
+        with torch.no_grad(), reference_logits_context(model):
+            set_logits_chunking(model, "off")
+            off = response_logprobs(model, ids, mask, response_mask)[0]
+            set_logits_chunking(model, "on")
+            on = response_logprobs(model, ids, mask, response_mask)[0]
+        torch.testing.assert_close(on, off, rtol=0, atol=1e-5)
+        assert not torch.allclose(on, plain[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_next_token_logprobs_and_argmax_equal_full_logits(kind):
+    """SFT's loss and token accuracy: scored positions only, zeros/-1 elsewhere on both paths."""
+    model = _model(kind)
+    ids, mask = _rollout_batch()
+    score_mask = torch.zeros(B, P + T - 1, dtype=torch.bool)
+    score_mask[:, P - 1 :] = mask[:, P:].bool()
+
+    def step():
+        logprobs, predicted = next_token_logprobs(model, ids, mask, score_mask, argmax=True)
+        logprobs.sum().backward()
+        return (logprobs, predicted), _grads(model)
+
+    (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-6)
+    assert torch.equal(chunked[1], plain[1])
+    assert (plain[0][~score_mask] == 0).all() and (plain[1][~score_mask] == -1).all()
+    assert (plain[1][score_mask] >= 0).all()
+    _assert_grads_equal(plain_grads, chunked_grads)
+
+
+def test_head_token_scores_by_hand():
+    """A 2-token vocabulary: logits (0, log 3) give p = (1/4, 3/4); at temperature 2, z = (0, log 3 / 2)."""
+    head = torch.nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0], [torch.log(torch.tensor(3.0))]]))
+    hidden, labels = torch.ones(3, 1), torch.tensor([0, 1, 1])
+    scores = head_token_scores(head, hidden, labels, entropy=True, argmax=True, chunk_elements=2)
+    expected = torch.tensor([0.25, 0.75, 0.75]).log()
+    torch.testing.assert_close(scores.logprobs, expected)
+    entropy = -(0.25 * torch.tensor(0.25).log() + 0.75 * torch.tensor(0.75).log())
+    torch.testing.assert_close(scores.entropy, entropy.expand(3))
+    assert scores.argmax.tolist() == [1, 1, 1]
+    p1 = 3**0.5 / (1 + 3**0.5)  # softmax((0, log 3) / 2)[1]
+    warm = head_token_scores(head, hidden, labels, temperature=2.0)
+    torch.testing.assert_close(warm.logprobs, torch.tensor([1 - p1, p1, p1]).log())
+    assert warm.entropy is None and warm.argmax is None
+
+
+def test_final_hidden_states_are_the_heads_input_and_skip_its_matmul():
+    model = _model("llama")
+    ids, mask = _rollout_batch()
+    head = model.get_output_embeddings()
+    outputs = []
+    handle = head.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+    hidden = final_hidden_states(model, head, _forward_kwargs(ids, mask), logits_to_keep=T + 1)
+    handle.remove()
+    assert outputs[0].shape == (B, 0, VOCAB)  # the head saw no positions
+    reference = model(**_forward_kwargs(ids, mask), output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(hidden, reference[:, -T - 1 :], rtol=0, atol=0)
+
+
+def test_fallback_where_chunking_is_not_exact_or_not_asked_for():
+    llama = _model("llama")
+    assert chunkable_head(llama, 1, mode="on") is llama.lm_head
+    assert chunkable_head(llama, 1, mode="off") is None
+    assert chunkable_head(llama, 1) is None  # auto: far below the threshold
+    assert chunkable_head(llama, -(-LOGITS_CHUNKING_THRESHOLD // VOCAB)) is llama.lm_head
+    assert chunkable_head(llama, LOGITS_CHUNKING_THRESHOLD // VOCAB - 1) is None
+    set_logits_chunking(llama, "off")
+    assert chunkable_head(llama, 10**9) is None
+    with pytest.raises(ValueError, match="logits_chunking"):
+        set_logits_chunking(llama, "always")
+    # models that change the logits after the head
+    scaled = _model("llama")
+    scaled.config.logit_scale = 0.5
+    assert chunkable_head(scaled, 10**9, mode="on") is None
+    gemma2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "gemma2",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            final_logit_softcapping=30.0,
+        )
+    )
+    assert chunkable_head(gemma2, 10**9, mode="on") is None
+    ids, mask = _rollout_batch()
+    set_logits_chunking(gemma2, "on")
+    logits = gemma2(**_forward_kwargs(ids, mask)).logits[:, -T - 1 : -1]  # softcapped
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+    logprobs, _, _ = policy_forward(gemma2, ids, mask, T, temperature=1.0)
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
+
+
+def _largest_saved_activation(model: torch.nn.Module, fn) -> int:
+    """Elements of the largest storage autograd saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    largest = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal largest
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            largest = max(largest, storage.nbytes() // tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return largest
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_no_logits_of_all_tokens_are_kept_for_backward(kind):
+    vocab = 10 * VOCAB  # logits well above the model's own activations (B x L x 4H)
+    model = _model(kind, vocab=vocab)
+    ids, mask = _rollout_batch()
+    response_mask = torch.zeros_like(mask)
+    response_mask[:, P:] = 1
+    forwards = {
+        "policy": (lambda: policy_forward(model, ids, mask, T, temperature=0.7)[0].sum(), B * T),
+        "response": (lambda: response_logprobs(model, ids, mask, response_mask)[0].sum(), B * T),
+    }
+    for name, (forward, n_tokens) in forwards.items():
+        set_logits_chunking(model, "off")
+        assert _largest_saved_activation(model, forward) >= n_tokens * vocab, name  # the check can fail
+        set_logits_chunking(model, "on")
+        assert _largest_saved_activation(model, forward) < n_tokens * vocab / 4, name
+
+
+def test_model_spec_switch(tokenizer_dir):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    with pytest.raises(ValueError, match="ModelSpec.logits_chunking"):
+        ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, logits_chunking="yes")
+    for mode in ("auto", "on", "off"):
+        spec = ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, seed=0, logits_chunking=mode)
+        model = build_causal_lm(spec, tokenizer)
+        assert (chunkable_head(model, 1) is not None) == (mode == "on")
+    lora = ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, lora={"r": 2}, logits_chunking="on")
+    assert chunkable_head(build_causal_lm(lora, tokenizer), 1) is not None
+
+
+def test_sft_step_equal_with_and_without_chunking(tokenizer_dir):
+    """SFTModule's loss, token accuracy and gradients with ModelSpec.logits_chunking on and off."""
+    from lit_rlhf.modules import SFTModule
+
+    ids, mask = _rollout_batch()
+    response_mask = torch.zeros_like(mask)
+    response_mask[:, P:] = mask[:, P:]
+    batch = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask}
+    results = []
+    for mode in ("off", "on"):
+        spec = {"config": llama_config(VOCAB), "tokenizer": tokenizer_dir, "seed": 0, "logits_chunking": mode}
+        module = SFTModule(spec)
+        assert (chunkable_head(module.model, 1) is not None) == (mode == "on")
+        loss, accuracy, n_tokens = module._step(batch)
+        loss.backward()
+        results.append(((loss, accuracy, n_tokens), _grads(module.model)))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-6)
+    assert torch.equal(chunked[1], plain[1]) and torch.equal(chunked[2], plain[2])
+    _assert_grads_equal(plain_grads, chunked_grads)
