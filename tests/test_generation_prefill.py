@@ -8,6 +8,7 @@ really taken (the model saw one (G, P-1) prefill and never the (G*K, P) prompts)
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +214,17 @@ def test_grpo_fit_logs_the_same_metrics(tokenizer_dir, tmp_path, monkeypatch):
         rows[mode] = read_metrics(tmp_path / mode)
     assert len(rows["always"]) == 4 and len(prefills) == 4, "each rollout of the second fit was shared"
     assert rows["always"] == rows["never"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_the_demo_generates_unshared(name):
+    # The demo's prompts are short (max_prompt_length 16): "auto" keeps its rollouts, and so its
+    # figures, on the unshared path, where sharing would gain nothing.
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / f"configs/demo/{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    settings = GenerationSettings.coerce(config["model"]["init_args"].get("generation"))
+    width = config["data"]["init_args"]["max_prompt_length"]
+    assert settings.group_prefill == "auto"
+    assert not settings.shares_prefill(settings.num_samples, width)
