@@ -14,6 +14,11 @@ import torch
 
 from lit_rlhf.batching import trim_prompt_response
 from lit_rlhf.models import position_ids_from_mask
+from lit_rlhf.models.prefill import is_grouped, prefill_groups
+
+GROUP_PREFILL_CHOICES = ("auto", "always", "never")
+# "auto" shares the prefill from this padded prompt width on (measured with scripts/bench/prefill_bench.py)
+GROUP_PREFILL_MIN_PROMPT_TOKENS = 32
 
 
 @dataclass
@@ -31,6 +36,12 @@ class GenerationSettings:
         stop_strings: strings that end a response (matched on decoded text by ``generate``).
         num_samples: K responses sampled per prompt (K >= 1); the rollout holds prompts x K rows, each
             prompt's K rows contiguous. Group estimators (GRPO, RLOO, ...) need K >= 2.
+        group_prefill: compute each prompt's prefill once for its K samples and repeat its KV cache K times
+            (``lit_rlhf.models.prefill``): ``"auto"`` (default) where it pays, K >= 2 and prompts padded to
+            at least ``GROUP_PREFILL_MIN_PROMPT_TOKENS``; ``"always"`` whenever K >= 2; ``"never"`` off. The
+            responses are those of the unshared generation (same logits up to float rounding, same random
+            draws). Multi-rank runs (``synced_gpus``) and models whose KV cache is not a plain
+            ``DynamicCache`` always generate unshared.
     """
 
     max_new_tokens: int = 32
@@ -40,6 +51,7 @@ class GenerationSettings:
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     num_samples: int = 1
+    group_prefill: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -52,6 +64,21 @@ class GenerationSettings:
             raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
         if self.num_samples < 1:
             raise ValueError(f"generation.num_samples must be >= 1, got {self.num_samples}")
+        if self.group_prefill not in GROUP_PREFILL_CHOICES:
+            raise ValueError(
+                f"generation.group_prefill must be one of {list(GROUP_PREFILL_CHOICES)}, got {self.group_prefill!r}"
+            )
+
+    def shares_prefill(self, group_size: int, prompt_length: int, synced_gpus: bool = False) -> bool:
+        """Whether rows in groups of ``group_size`` prompt copies of padded width ``prompt_length`` are
+        generated from one prefill per group (see ``group_prefill``).
+
+        Never under ``synced_gpus``: ranks whose prompts differ in width could take different paths and
+        run different numbers of sharded forwards.
+        """
+        if self.group_prefill == "never" or synced_gpus or group_size < 2 or prompt_length < 2:
+            return False
+        return self.group_prefill == "always" or prompt_length >= GROUP_PREFILL_MIN_PROMPT_TOKENS
 
     @classmethod
     def coerce(cls, value: Any, argument: str = "generation") -> GenerationSettings:
@@ -152,6 +179,7 @@ def generate_responses(
     tokenizer: object | None = None,
     synced_gpus: bool = False,
     greedy: bool = False,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
 
@@ -163,17 +191,31 @@ def generate_responses(
         tokenizer: needed by ``generate`` only when ``settings.stop_strings`` is set.
         synced_gpus: keep every rank generating until all are done (sharded models hang otherwise).
         greedy: argmax decoding instead of sampling (evaluation only: a rollout must be sampled).
+        group_size: K when the rows come in contiguous groups of K copies of one prompt (what
+            ``expand_prompts`` of the online modules builds); the prefill is then shared per group where
+            ``settings.shares_prefill`` says so.
 
     Returns:
         responses: (B, T) token ids, T <= max_new_tokens, padding after the stop;
         response_mask: (B, T) bool; truncated: (B,) bool, no stop within the length limit.
+
+    Raises:
+        ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
     """
     stop_ids = [eos_token_id, *settings.stop_token_ids]
-    out = model.generate(
-        **generation_kwargs(
-            input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy
-        )
+    kwargs = generation_kwargs(
+        input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy
     )
+    if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
+        if not is_grouped(input_ids, attention_mask, group_size):
+            raise ValueError(
+                f"generate_responses: group_size={group_size}, but the {input_ids.shape[0]} prompt rows are "
+                f"not contiguous groups of {group_size} copies of one prompt"
+            )
+        cache = prefill_groups(model, input_ids, attention_mask, group_size)
+        if cache is not None:
+            kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
+    out = model.generate(**kwargs)
     responses = out[:, input_ids.shape[1] :]
     response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
     lengths = response_mask.sum(dim=1)

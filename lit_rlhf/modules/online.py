@@ -196,14 +196,17 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         greedy: bool = False,
     ):
         """One response per row (sampled with ``settings``, default ``generation``, or greedy):
-        (responses (B, T), response_mask (B, T), truncated (B,))."""
+        (responses (B, T), response_mask (B, T), truncated (B,)). The rows are ``expand_prompts``'s, in
+        groups of ``settings.num_samples`` copies, whose prefill is shared (``group_prefill``)."""
+        settings = settings or self.generation
         was_training = self.actor.training
         self.actor.eval()
         with generation_context(self, self.actor):
             out = generate_responses(
-                self.actor, prompts, prompt_mask, settings or self.generation,
+                self.actor, prompts, prompt_mask, settings,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1, greedy=greedy,
+                group_size=settings.num_samples,
             )  # fmt: skip
         self.actor.train(was_training)
         return out
