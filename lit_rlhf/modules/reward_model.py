@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
@@ -9,7 +11,14 @@ from typing_extensions import override
 
 from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import pairwise_reward_loss
-from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
+from lit_rlhf.models import (
+    ModelSpec,
+    build_score_model,
+    check_shared_prefix_mode,
+    packed_sequence_scores,
+    pair_layout,
+    sequence_scores,
+)
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.single import SingleModelModule
 
@@ -66,6 +75,12 @@ class RewardModelModule(SingleModelModule):
         center_rewards_coef: weight of the centring regulariser coef * mean((r_chosen + r_rejected)^2)
             that keeps scores near zero mean (Eisenstein et al. 2023); 0 disables it.
         use_margin: subtract the batch's ``margin`` column when the data has one.
+        shared_prefix: ``auto`` (default), ``on`` or ``off``: score a pair (of a batch with a
+            ``response_mask``, as PreferenceDataModule's) as one row
+            ``[prompt | chosen | rejected]`` with a block attention mask, the prompt computed once
+            (``models.shared_prefix``; equal scores to float rounding). ``auto`` packs a batch when its
+            estimated forward cost falls below 0.75 of the padded one (long prompts) and the attention is
+            sdpa or eager; ``on`` always packs.
     """
 
     def __init__(
@@ -75,10 +90,12 @@ class RewardModelModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
+        shared_prefix: Literal["auto", "on", "off"] = "auto",
     ) -> None:
         super().__init__()
         if center_rewards_coef < 0:
             raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
+        check_shared_prefix_mode(shared_prefix, "RewardModelModule: shared_prefix")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
         self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
@@ -90,7 +107,16 @@ class RewardModelModule(SingleModelModule):
 
     def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
         check_batch(batch, "preference", type(self).__name__)
-        scores = self(batch["input_ids"], batch["attention_mask"])
+        # the shared-prompt layout needs to know the prompt: batches without a response_mask stay padded
+        mode = self.hparams.shared_prefix if "response_mask" in batch else "off"
+        layout = pair_layout(
+            self.model, mode, batch["input_ids"], batch["attention_mask"], batch.get("response_mask"),
+            self.tokenizer.pad_token_id, lm_head=False,
+        )  # fmt: skip
+        if layout is None:
+            scores = self(batch["input_ids"], batch["attention_mask"])  # (2B,)
+        else:  # the pair's prompt computed once: [prompt | chosen | rejected]
+            scores = packed_sequence_scores(self.model, layout)  # (2B,)
         chosen, rejected = scores.chunk(2)
         margin = batch.get("margin") if self.hparams.use_margin else None
         loss, _ = pairwise_reward_loss(chosen, rejected, margin)
