@@ -177,7 +177,7 @@ def pack_shared_prefix(
     #    segment; every query attends to itself (padding queries then give finite, unread outputs).
     q, k = segment[:, :, None], segment[:, None, :]  # (G, L', 1), (G, 1, L')
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    allowed = ((k == 0) | (k == q)) & (k >= 0) & causal
+    allowed = ((k == 0) | (k == q)) & (k >= 0) & (q >= 0) & causal
     allowed = (allowed | torch.eye(width, dtype=torch.bool, device=device))[:, None]  # (G, 1, L', L')
     if mask_dtype != torch.bool:
         allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill(

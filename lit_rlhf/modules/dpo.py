@@ -166,7 +166,9 @@ class DPOModule(SingleModelModule):
             return self._lookup(batch, split)
         return self._score_reference(batch, layout)
 
-    def _score_reference(self, batch: dict[str, torch.Tensor], layout: SharedPrefixLayout | None) -> torch.Tensor:
+    def _score_reference(
+        self, batch: dict[str, torch.Tensor], layout: SharedPrefixLayout | None = None
+    ) -> torch.Tensor:
         model = self.reference if self.reference is not None else self.model
         # a LoRA policy with its adapters disabled is the initial policy
         context = reference_logits_context(unwrap(self.model)) if self.reference is None else nullcontext()
