@@ -291,6 +291,9 @@ class ReplayBuffer:
     """Holds the current rollout and yields seeded, shuffled minibatches for the inner PPO epochs.
 
     Its generator state is part of the PPO checkpoint, so a resumed run draws the same minibatches.
+    A rollout put with ``group_size`` K > 1 is shuffled by groups of K consecutive rows (a prompt's
+    K responses stay together and in order, for the shared-prompt layout): the minibatches then hold
+    whole groups, a different composition (and a different draw of the generator) than row shuffling.
 
     Args:
         num_minibatches: minibatches per PPO epoch; the rollout's rows are split evenly among them.
@@ -303,21 +306,31 @@ class ReplayBuffer:
         self.num_minibatches = num_minibatches
         self.generator = torch.Generator().manual_seed(seed)
         self.rollout: Rollout | None = None
+        self.group_size = 1
 
-    def put(self, rollout: Rollout) -> None:
-        if rollout.batch_size < self.num_minibatches:
+    def put(self, rollout: Rollout, group_size: int = 1) -> None:
+        """Hold ``rollout``; ``group_size`` > 1 shuffles groups of that many consecutive rows."""
+        if group_size < 1 or rollout.batch_size % group_size:
             raise ValueError(
-                f"a rollout of {rollout.batch_size} rows cannot be split into "
+                f"group_size={group_size} must be >= 1 and divide the rollout's {rollout.batch_size} rows"
+            )
+        units = rollout.batch_size // group_size
+        if units < self.num_minibatches:
+            what = "rows" if group_size == 1 else f"groups of {group_size} rows"
+            raise ValueError(
+                f"a rollout of {units} {what} cannot be split into "
                 f"num_minibatches={self.num_minibatches}; raise the prompt batch size or lower num_minibatches"
             )
-        self.rollout = rollout
+        self.rollout, self.group_size = rollout, group_size
 
     def minibatches(self) -> Iterator[Rollout]:
-        """One PPO epoch: a fresh permutation of the rows cut into ``num_minibatches`` parts."""
+        """One PPO epoch: a fresh permutation of the rows (or groups) cut into ``num_minibatches`` parts."""
         if self.rollout is None:
             raise RuntimeError("ReplayBuffer is empty: put() a rollout first")
-        order = torch.randperm(self.rollout.batch_size, generator=self.generator)
-        for index in order.tensor_split(self.num_minibatches):
+        K = self.group_size
+        order = torch.randperm(self.rollout.batch_size // K, generator=self.generator)  # (B / K,)
+        for groups in order.tensor_split(self.num_minibatches):
+            index = (groups[:, None] * K + torch.arange(K)).flatten()  # the groups' rows, in order
             yield self.rollout.select(index.to(self.rollout.input_ids.device))
 
     def clear(self) -> None:

@@ -27,6 +27,18 @@ from lit_rlhf.models.scoring import (
     sequence_scores,
     token_values,
 )
+from lit_rlhf.models.shared_prefix import (
+    SHARED_PREFIX_MODES,
+    SharedPrefixLayout,
+    check_shared_prefix_mode,
+    layout_fits,
+    pack_shared_prefix,
+    packed_policy_forward,
+    packed_response_logprobs,
+    packed_sequence_scores,
+    pair_layout,
+    shared_prefix_layout,
+)
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.models.tokenizer import (
     SIMPLE_CHAT_TEMPLATE,
@@ -37,14 +49,17 @@ from lit_rlhf.models.tokenizer import (
 
 __all__ = [
     "LOGITS_CHUNKING_THRESHOLD",
+    "SHARED_PREFIX_MODES",
     "SIMPLE_CHAT_TEMPLATE",
     "ModelSpec",
+    "SharedPrefixLayout",
     "ValueHead",
     "build_causal_lm",
     "build_score_model",
     "causal_lm_logits",
     "causal_lm_logits_and_hidden",
     "chunkable_head",
+    "check_shared_prefix_mode",
     "chunked",
     "critic_values",
     "disable_dropout",
@@ -55,7 +70,13 @@ __all__ = [
     "head_token_scores",
     "last_token_index",
     "next_token_logprobs",
+    "layout_fits",
     "load_tokenizer",
+    "pack_shared_prefix",
+    "packed_policy_forward",
+    "packed_response_logprobs",
+    "packed_sequence_scores",
+    "pair_layout",
     "policy_forward",
     "position_ids_from_mask",
     "reference_logits_context",
@@ -63,6 +84,7 @@ __all__ = [
     "response_logprobs",
     "sequence_scores",
     "set_logits_chunking",
+    "shared_prefix_layout",
     "token_values",
     "train_bpe_tokenizer",
 ]

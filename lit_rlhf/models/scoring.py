@@ -41,11 +41,13 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.long()).argmax(-1)
 
 
-def _forward_kwargs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+def _forward_kwargs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> dict:
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
         use_cache=False,
     )
 
@@ -159,7 +161,12 @@ def _score_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The scalar head of a ``*ForSequenceClassification`` model at every position.
 
     Used as per-token critic values V(s_t). HF's forward applies the head to every position and then
@@ -171,7 +178,8 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         model: a one-label ``*ForSequenceClassification`` model (plain or peft) whose head is
             ``score`` (Llama, GPT-2, Qwen, Mistral, Gemma, ... all name it so).
         input_ids: (B, L).
-        attention_mask: (B, L), 1 for real tokens.
+        attention_mask: (B, L), 1 for real tokens; or a prepared 4D mask (the shared-prompt layout of
+            ``models.shared_prefix``) with its ``position_ids`` (B, L).
 
     Returns:
         (B, L) float32 values; entries at padding positions are finite but meaningless (mask them).
@@ -180,7 +188,7 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     try:
-        out = model(**_forward_kwargs(input_ids, attention_mask))
+        out = model(**_forward_kwargs(input_ids, attention_mask, position_ids))
     finally:
         handle.remove()
     values = captured[-1]

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.batching import Bucketing
-from lit_rlhf.models import ModelSpec, policy_forward
+from lit_rlhf.models import ModelSpec
 from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
 from lit_rlhf.modules.optim import PolicyAdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
@@ -105,6 +105,13 @@ class CriticFreeModule(OnlineRLModule):
             the fit stops, naming the rollout, the scorer and the prompt/response, before anything is
             learnt from it) or ``drop`` (those rows get no gradient and are counted in
             ``rollout/nonfinite_scores``). Non-finite losses or gradients are always skipped.
+        shared_prefix: ``auto`` (default), ``on`` or ``off``: compute each prompt once for its K responses
+            (one row ``[prompt | r1 | ... | rK]`` with a block attention mask, ``models.shared_prefix``;
+            equal log-probs to float rounding) in the rollout's actor/reference scoring and the update's
+            forwards. ``auto`` packs a batch when its estimated forward cost falls below 0.75 of the
+            padded one (prompts about as long as the responses or longer; short prompts stay padded) and
+            the attention is sdpa or eager; ``on`` always packs. When the rollout packs, the update
+            shuffles whole groups (a prompt's K rows stay in one minibatch) instead of rows.
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
@@ -147,6 +154,7 @@ class CriticFreeModule(OnlineRLModule):
         eval_greedy: bool = False,
         rng_seed: int | None = None,
         on_nonfinite: Literal["raise", "drop"] = "raise",
+        shared_prefix: Literal["auto", "on", "off"] = "auto",
         actor_optimizer: OptimizerCallable = PolicyAdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -161,7 +169,7 @@ class CriticFreeModule(OnlineRLModule):
             score_clip=score_clip, missing_eos_penalty=missing_eos_penalty, max_rollouts=max_rollouts,
             log_samples_every=log_samples_every, num_log_samples=num_log_samples,
             eval_generation=eval_generation, eval_greedy=eval_greedy, rng_seed=rng_seed,
-            on_nonfinite=on_nonfinite,
+            on_nonfinite=on_nonfinite, shared_prefix=shared_prefix,
             metric_prefix="policy", update_metrics=POLICY_METRICS,
         )  # fmt: skip
         self.save_plain_hyperparameters(ignore=["actor_optimizer", "actor_scheduler"])
@@ -189,8 +197,10 @@ class CriticFreeModule(OnlineRLModule):
             input_ids, attention_mask, response_mask, old_logprobs, ref_logprobs,
             old_values=None, rewards=None, advantages=advantages, returns=None, scores=scores,
         )  # fmt: skip
-        # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches.
-        self.buffer.put(self.drop_rows(rollout, keep))
+        # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches (of whole groups when
+        #    the shared-prompt layout packs them).
+        group_size = self.num_samples if self.packs_groups(input_ids, attention_mask, T) else 1
+        self.buffer.put(self.drop_rows(rollout, keep), group_size=group_size)
         self.update_policy()
         self.buffer.clear()
         # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
@@ -240,8 +250,9 @@ class CriticFreeModule(OnlineRLModule):
     def policy_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate (+ kl_loss_coef * KL to the reference - ent_coef * entropy) on one micro-batch."""
         hp, mask, T = self.hparams, part.response_mask, part.response_mask.shape[1]
-        logprobs, entropy, _ = policy_forward(
-            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature,
+        layout = self.shared_prefix_layout(part.input_ids, part.attention_mask, T)
+        logprobs, entropy = self.actor_forward(
+            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, layout,
             entropy_grad=hp.ent_coef > 0,
         )  # fmt: skip
         aggregation = dict(

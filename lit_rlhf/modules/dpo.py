@@ -22,8 +22,13 @@ from lit_rlhf.batching import Bucketing
 from lit_rlhf.functional import DPO_LOSS_TYPES, dpo_loss
 from lit_rlhf.models import (
     ModelSpec,
+    SharedPrefixLayout,
     build_causal_lm,
+    check_shared_prefix_mode,
     frozen_copy,
+    layout_fits,
+    packed_response_logprobs,
+    pair_layout,
     reference_logits_context,
     response_logprobs,
 )
@@ -86,6 +91,7 @@ class DPOModule(SingleModelModule):
         simpo_gamma: float = 0.0,
         precompute_ref_logprobs: bool = False,
         disable_dropout: bool = True,
+        shared_prefix: Literal["auto", "on", "off"] = "auto",
         optimizer: OptimizerCallable = AdamW,
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
@@ -97,6 +103,7 @@ class DPOModule(SingleModelModule):
         model = ModelSpec.coerce(model, "model")
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         _validate(reference, beta, loss_type, label_smoothing, simpo_gamma, precompute_ref_logprobs, num_samples)
+        check_shared_prefix_mode(shared_prefix, "DPOModule: shared_prefix")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_causal_lm, optimizer, scheduler)
         if disable_dropout:
@@ -119,10 +126,12 @@ class DPOModule(SingleModelModule):
     def _step(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One DPO loss on a (2B, L) batch of B pairs."""
         hp = self.hparams
-        # 1. Policy log-probs of chosen and rejected responses, one forward over the 2B rows.
-        logps, n_tokens = self._response_logprobs(self.model, batch)  # (2B,), (2B,)
+        # 1. Policy log-probs of chosen and rejected responses, one forward over the 2B rows (or the B
+        #    rows [prompt | chosen | rejected] of the shared-prompt layout).
+        layout = self._pair_layout(self.model, batch)
+        logps, n_tokens = self._logprobs(self.model, batch, layout)  # (2B,), (2B,)
         # 2. Reference log-probs: looked up (precomputed) or one frozen forward; none for SimPO.
-        ref_logps = None if hp.loss_type == "simpo" else self._reference_logps(batch, split)  # (2B,)
+        ref_logps = None if hp.loss_type == "simpo" else self._reference_logps(batch, split, layout)  # (2B,)
         # 3. IPO and SimPO compare per-token (length-averaged) log-probs.
         if hp.loss_type in ("ipo", "simpo"):
             logps = logps / n_tokens.clamp(min=1)  # (2B,)
@@ -141,27 +150,41 @@ class DPOModule(SingleModelModule):
             simpo_gamma=hp.simpo_gamma,
         )
 
+    def _pair_layout(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> SharedPrefixLayout | None:
+        """The shared-prompt layout of the batch's pairs when ``shared_prefix`` packs them, else None."""
+        return pair_layout(
+            model, self.hparams.shared_prefix, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
+            self.tokenizer.pad_token_id,
+        )  # fmt: skip
+
+    def _logprobs(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: SharedPrefixLayout | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2B,) summed response log-probs and (2B,) response lengths: packed when ``layout`` fits ``model``,
+        else in length-bucketed micro-batches of the padded rows."""
+        if layout is not None and layout_fits(model, layout):
+            return packed_response_logprobs(model, layout)
+        columns = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        return self.per_row(partial(response_logprobs, model), batch["attention_mask"], *columns)
+
     @torch.no_grad()
-    def _reference_logps(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
+    def _reference_logps(
+        self, batch: dict[str, torch.Tensor], split: str, layout: SharedPrefixLayout | None
+    ) -> torch.Tensor:
         """(2B,) float32 reference log-probs of the batch's rows, summed over their response tokens."""
         if self.hparams.precompute_ref_logprobs:
             return self._lookup(batch, split)
-        return self._score_reference(batch)
+        return self._score_reference(batch, layout)
 
-    def _score_reference(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _score_reference(
+        self, batch: dict[str, torch.Tensor], layout: SharedPrefixLayout | None = None
+    ) -> torch.Tensor:
         model = self.reference if self.reference is not None else self.model
         # a LoRA policy with its adapters disabled is the initial policy
         context = reference_logits_context(unwrap(self.model)) if self.reference is None else nullcontext()
         with torch.no_grad(), context:
-            logps, _ = self._response_logprobs(model, batch)
+            logps, _ = self._logprobs(model, batch, layout)
         return logps
-
-    def _response_logprobs(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(2B,) summed response log-probs and (2B,) response lengths, in length-bucketed micro-batches."""
-        columns = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
-        return self.per_row(partial(response_logprobs, model), batch["attention_mask"], *columns)
 
     def _lookup(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
         if "row_index" not in batch:
@@ -204,7 +227,9 @@ class DPOModule(SingleModelModule):
         for batch in DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator):
             batch = self.transfer_batch_to_device(batch, self.device, 0)
             indices.append(batch["row_index"])  # (B,)
-            logps.append(torch.stack(self._score_reference(batch).chunk(2), dim=1))  # (B, 2)
+            model = self.reference if self.reference is not None else self.model
+            layout = self._pair_layout(model, batch)
+            logps.append(torch.stack(self._score_reference(batch, layout).chunk(2), dim=1))  # (B, 2)
         indices, logps = torch.cat(indices), torch.cat(logps)  # (n,), (n, 2)
         if world > 1:
             indices, logps = self.all_gather(indices).flatten(), self.all_gather(logps).reshape(-1, 2)

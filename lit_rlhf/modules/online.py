@@ -26,12 +26,17 @@ from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.guards import NonFiniteError, NonFinitePolicy, StepGuard, check_finite_weights, screen_scores
 from lit_rlhf.models import (
     ModelSpec,
+    SharedPrefixLayout,
     build_causal_lm,
+    check_shared_prefix_mode,
     disable_dropout,
     frozen_copy,
+    layout_fits,
     load_tokenizer,
+    packed_policy_forward,
     policy_forward,
     reference_logits_context,
+    shared_prefix_layout,
 )
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models, unwrap
@@ -64,6 +69,8 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         hyper-parameters and the checkpoint, so a resumed or reloaded module rebuilds the same weights).
         metric_prefix: namespace of the update metrics (``ppo``, ``policy``).
         update_metrics: names of the update metrics (``*_max`` ones are maxima, the others means).
+        shared_prefix: ``auto``/``on``/``off``, the shared-prompt layout of the actor and reference
+            forwards (``models.shared_prefix``; documented by the subclass that offers it, ``off`` else).
     """
 
     # models sharded by ``configure_model`` (dotted attribute paths; missing or None ones are skipped)
@@ -95,6 +102,7 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         on_nonfinite: NonFinitePolicy,
         metric_prefix: str,
         update_metrics: Sequence[str],
+        shared_prefix: str = "off",
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -111,6 +119,7 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
             on_nonfinite,
         )  # fmt: skip
         self.metric_prefix = metric_prefix
+        self.shared_prefix = check_shared_prefix_mode(shared_prefix, f"{name}: shared_prefix")
         self.actor_lora = actor.lora is not None
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
         self._init_seed, self._init_rng_state = rng_seed, None
@@ -211,24 +220,69 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
         self.actor.train(was_training)
         return out
 
-    def policy_and_values(
+    def shared_prefix_layout(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+    ) -> SharedPrefixLayout | None:
+        """The one-row-per-prompt layout of these (B, P+T) rollout rows when ``shared_prefix`` packs them
+        (consecutive rows with the same prompt share one row), else None: the padded layout."""
+        if self.shared_prefix == "off":
+            return None
+        P = input_ids.shape[1] - T
+        prompt_mask, response_mask = attention_mask.clone(), attention_mask.clone()
+        prompt_mask[:, P:], response_mask[:, :P] = 0, 0
+        return shared_prefix_layout(
+            self.actor, self.shared_prefix, input_ids, prompt_mask, response_mask, self.tokenizer.pad_token_id,
+            padded_head_positions=input_ids.shape[0] * (T + 1), response_width=T,
+        )  # fmt: skip
+
+    def packs_groups(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> bool:
+        """Whether the update should keep each prompt's K rows together (the shared-prompt layout packs
+        a micro-batch of ``forward_batch_size`` rollout rows)."""
+        rows = slice(0, self.hparams.forward_batch_size)
+        return self.num_samples > 1 and self.shared_prefix_layout(input_ids[rows], attention_mask[rows], T) is not None
+
+    def actor_forward(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        T: int,
+        temperature: float,
+        layout: SharedPrefixLayout | None = None,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) log-probs and entropy of a policy ``model``, from ``layout`` when given and the model
+        takes its mask, else from the padded rows (the two agree to float rounding)."""
+        if layout is not None and layout_fits(model, layout):
+            return packed_policy_forward(model, layout, temperature, entropy_grad)
+        logprobs, entropy, _ = policy_forward(
+            model, input_ids, attention_mask, T, temperature, entropy_grad=entropy_grad
+        )
+        return logprobs, entropy
+
+    def policy_and_values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, layout: SharedPrefixLayout | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Actor log-probs and entropy (B, T), and critic values (B, T) (None here: no critic)."""
-        logprobs, entropy, _ = policy_forward(
-            self.actor, input_ids, attention_mask, T, self.generation.temperature
+        logprobs, entropy = self.actor_forward(
+            self.actor, input_ids, attention_mask, T, self.generation.temperature, layout
         )
         return logprobs, entropy, None
 
     def reference_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, temperature: float | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        T: int,
+        temperature: float | None = None,
+        layout: SharedPrefixLayout | None = None,
     ) -> torch.Tensor:
         """(B, T) log-probs of the reference policy (the actor with its LoRA adapters disabled if none),
         at ``temperature`` (default: the rollout's)."""
         temperature = self.generation.temperature if temperature is None else temperature
         with reference_logits_context(unwrap(self.actor)):
             ref_model = self.reference if self.reference is not None else self.actor
-            ref_logprobs, _, _ = policy_forward(ref_model, input_ids, attention_mask, T, temperature)
+            ref_logprobs, _ = self.actor_forward(ref_model, input_ids, attention_mask, T, temperature, layout)
         return ref_logprobs
 
     @torch.no_grad()
@@ -237,14 +291,20 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
 
         Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
         :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
-        columns trimmed from a micro-batch (padding in all its rows) read 0.
+        columns trimmed from a micro-batch (padding in all its rows) read 0. A micro-batch's actor and
+        reference forwards share one shared-prompt layout when ``shared_prefix`` packs it (each prompt's
+        K rows are then kept in one micro-batch).
         """
         parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
-        batches = self.micro_batches(attention_mask, T)
+        group_size = 1 if self.shared_prefix == "off" else self.num_samples
+        batches = self.micro_batches(attention_mask, T, group_size)
         for rows, columns, t in batches:
             ids, mask = input_ids[rows][:, columns], attention_mask[rows][:, columns]
-            logprobs, entropy, values = self.policy_and_values(ids, mask, t)
-            ref_logprobs = self.reference_logprobs(ids, mask, t)
+            layout = self.shared_prefix_layout(ids, mask, t)
+            # (a subclass whose forwards have no packed form keeps shared_prefix off: layout is None)
+            extra = {} if layout is None else {"layout": layout}
+            logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra)
+            ref_logprobs = self.reference_logprobs(ids, mask, t, layout=layout)
             for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
                 parts[key].append(value)
         n, rows = input_ids.shape[0], [b[0] for b in batches]
@@ -378,7 +438,9 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
             epoch_kl = []
             for mb in self.buffer.minibatches():
                 stats: dict[str, torch.Tensor] = {}
-                for rows, columns, t in self.micro_batches(mb.attention_mask, mb.response_mask.shape[1]):
+                # a prompt's K rows stay in one micro-batch when the buffer keeps groups (shared-prompt layout)
+                T, K = mb.response_mask.shape[1], self.buffer.group_size
+                for rows, columns, t in self.micro_batches(mb.attention_mask, T, K):
                     part = mb.select(rows).crop(columns, t)
                     weight = F.aggregation_weight(part.response_mask, mb.response_mask, loss_aggregation)
                     loss, part_stats = loss_fn(part)

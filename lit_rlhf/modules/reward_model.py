@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
@@ -10,7 +12,14 @@ from typing_extensions import override
 from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import pairwise_reward_loss
-from lit_rlhf.models import ModelSpec, build_score_model, sequence_scores
+from lit_rlhf.models import (
+    ModelSpec,
+    build_score_model,
+    check_shared_prefix_mode,
+    packed_sequence_scores,
+    pair_layout,
+    sequence_scores,
+)
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.single import SingleModelModule
 
@@ -72,6 +81,12 @@ class RewardModelModule(SingleModelModule):
             scored in length-sorted forwards of at most ``token_budget`` padded tokens with their
             all-padding columns dropped; scores, loss and metrics are unchanged (up to float rounding).
             ``{enabled: false}`` scores the whole batch in one padded forward.
+        shared_prefix: ``auto`` (default), ``on`` or ``off``: score a pair (of a batch with a
+            ``response_mask``, as PreferenceDataModule's) as one row
+            ``[prompt | chosen | rejected]`` with a block attention mask, the prompt computed once
+            (``models.shared_prefix``; equal scores to float rounding). ``auto`` packs a batch when its
+            estimated forward cost falls below 0.75 of the padded one (long prompts) and the attention is
+            sdpa or eager; ``on`` always packs.
     """
 
     def __init__(
@@ -82,11 +97,13 @@ class RewardModelModule(SingleModelModule):
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
         bucketing: Bucketing | dict | None = None,
+        shared_prefix: Literal["auto", "on", "off"] = "auto",
     ) -> None:
         super().__init__()
         if center_rewards_coef < 0:
             raise ValueError(f"center_rewards_coef must be >= 0, got {center_rewards_coef}")
         bucketing = self.set_bucketing(bucketing)
+        check_shared_prefix_mode(shared_prefix, "RewardModelModule: shared_prefix")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
         self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
@@ -98,7 +115,17 @@ class RewardModelModule(SingleModelModule):
 
     def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
         check_batch(batch, "preference", type(self).__name__)
-        (scores,) = self.per_row(self, batch["attention_mask"], batch["input_ids"], batch["attention_mask"])
+        # the shared-prompt layout needs to know the prompt: batches without a response_mask stay padded
+        mode = self.hparams.shared_prefix if "response_mask" in batch else "off"
+        layout = pair_layout(
+            self.model, mode, batch["input_ids"], batch["attention_mask"], batch.get("response_mask"),
+            self.tokenizer.pad_token_id, lm_head=False,
+        )  # fmt: skip
+        if layout is None:
+            columns = (batch["input_ids"], batch["attention_mask"])
+            (scores,) = self.per_row(self, batch["attention_mask"], *columns)  # (2B,), length-bucketed
+        else:  # the pair's prompt computed once: [prompt | chosen | rejected]
+            scores = packed_sequence_scores(self.model, layout)  # (2B,)
         chosen, rejected = scores.chunk(2)
         margin = batch.get("margin") if self.hparams.use_margin else None
         loss, _ = pairwise_reward_loss(chosen, rejected, margin)
