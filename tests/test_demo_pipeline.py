@@ -157,7 +157,11 @@ def test_algorithm_config_names_runs_by_seed_and_adds_the_gold_curve(tmp_path):
     assert config["seed_everything"] == 2 and config["model"]["init_args"]["rng_seed"] == 2
     assert config["trainer"]["logger"]["init_args"]["name"] == "ppo_seed2"
     assert stages.export_dir(config) == str(tmp_path / "ppo_seed2")
-    curve = config["trainer"]["callbacks"][-1]
+    *_, curve, memory = config["trainer"]["callbacks"]  # PeakMemory after GoldCurve (its models excluded)
+    assert memory == {
+        "class_path": "lit_rlhf.callbacks.PeakMemory",
+        "init_args": {"output": str(tmp_path / "memory" / "ppo_seed2.json")},
+    }
     assert curve["class_path"] == "lit_rlhf.demo.curves.GoldCurve"
     assert curve["init_args"]["output"] == str(tmp_path / "curves" / "ppo_seed2.json")
     assert curve["init_args"]["reference"] == str(tmp_path / "sft")
