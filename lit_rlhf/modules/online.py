@@ -4,7 +4,9 @@
 the monitor reward, generation with K samples per prompt, the old/reference log-prob scoring, the score
 adjustments, the rollout metrics and sample tables, the minibatch update loop, the KL controller, the
 checkpoint state of an exact resume and the Hugging Face export. A subclass writes its own numbered
-``training_step`` over these parts, its loss and its optimisers.
+``training_step`` over these parts, its loss and its optimisers. The scoring of a rollout lives in
+:mod:`~lit_rlhf.modules.online_scoring`, evaluation rollouts in :mod:`~lit_rlhf.modules.online_eval`,
+metrics, resume state and export in :mod:`~lit_rlhf.modules.online_bookkeeping` (mixins of this class).
 """
 
 from __future__ import annotations
@@ -13,36 +15,31 @@ import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, is_dataclass, replace
+from dataclasses import asdict, is_dataclass
 from functools import partial
 
 import torch
 from typing_extensions import override
 
 from lit_rlhf import functional as F
-from lit_rlhf.batching import Bucketing, MicroBatch, rollout_micro_batches, scatter_rows
+from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
-from lit_rlhf.guards import NonFiniteError, NonFinitePolicy, StepGuard, check_finite_weights, screen_scores
+from lit_rlhf.guards import NonFinitePolicy, StepGuard, check_finite_weights
 from lit_rlhf.models import (
     ModelSpec,
-    SharedPrefixLayout,
     build_causal_lm,
     check_shared_prefix_mode,
     disable_dropout,
     frozen_copy,
-    layout_fits,
     load_tokenizer,
-    packed_policy_forward,
-    policy_forward,
-    reference_logits_context,
-    shared_prefix_layout,
 )
 from lit_rlhf.modules.base import internal_base
-from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models, unwrap
+from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models
 from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
 from lit_rlhf.modules.online_eval import OnlineEvaluation, evaluation_settings
+from lit_rlhf.modules.online_scoring import RolloutScoring
 from lit_rlhf.rewards import RewardSource
 from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
 
@@ -54,7 +51,7 @@ LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @internal_base
-class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
+class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 
     The subclass documents and validates the arguments it passes on (its ``__init__`` is the config
@@ -219,189 +216,6 @@ class OnlineRLModule(OnlineEvaluation, OnlineBookkeeping):
             )  # fmt: skip
         self.actor.train(was_training)
         return out
-
-    def shared_prefix_layout(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
-    ) -> SharedPrefixLayout | None:
-        """The one-row-per-prompt layout of these (B, P+T) rollout rows when ``shared_prefix`` packs them
-        (consecutive rows with the same prompt share one row), else None: the padded layout."""
-        if self.shared_prefix == "off":
-            return None
-        P = input_ids.shape[1] - T
-        prompt_mask, response_mask = attention_mask.clone(), attention_mask.clone()
-        prompt_mask[:, P:], response_mask[:, :P] = 0, 0
-        return shared_prefix_layout(
-            self.actor, self.shared_prefix, input_ids, prompt_mask, response_mask, self.tokenizer.pad_token_id,
-            padded_head_positions=input_ids.shape[0] * (T + 1), response_width=T,
-        )  # fmt: skip
-
-    def packs_groups(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> bool:
-        """Whether the update should keep each prompt's K rows together (the shared-prompt layout packs
-        a micro-batch of ``forward_batch_size`` rollout rows)."""
-        rows = slice(0, self.hparams.forward_batch_size)
-        return self.num_samples > 1 and self.shared_prefix_layout(input_ids[rows], attention_mask[rows], T) is not None
-
-    def actor_forward(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        T: int,
-        temperature: float,
-        layout: SharedPrefixLayout | None = None,
-        entropy_grad: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) log-probs and entropy of a policy ``model``, from ``layout`` when given and the model
-        takes its mask, else from the padded rows (the two agree to float rounding)."""
-        if layout is not None and layout_fits(model, layout):
-            return packed_policy_forward(model, layout, temperature, entropy_grad)
-        logprobs, entropy, _ = policy_forward(
-            model, input_ids, attention_mask, T, temperature, entropy_grad=entropy_grad
-        )
-        return logprobs, entropy
-
-    def policy_and_values(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, layout: SharedPrefixLayout | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Actor log-probs and entropy (B, T), and critic values (B, T) (None here: no critic)."""
-        logprobs, entropy = self.actor_forward(
-            self.actor, input_ids, attention_mask, T, self.generation.temperature, layout
-        )
-        return logprobs, entropy, None
-
-    def reference_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        T: int,
-        temperature: float | None = None,
-        layout: SharedPrefixLayout | None = None,
-    ) -> torch.Tensor:
-        """(B, T) log-probs of the reference policy (the actor with its LoRA adapters disabled if none),
-        at ``temperature`` (default: the rollout's)."""
-        temperature = self.generation.temperature if temperature is None else temperature
-        with reference_logits_context(unwrap(self.actor)):
-            ref_model = self.reference if self.reference is not None else self.actor
-            ref_logprobs, _ = self.actor_forward(ref_model, input_ids, attention_mask, T, temperature, layout)
-        return ref_logprobs
-
-    @torch.no_grad()
-    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
-        """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
-
-        Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
-        :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
-        columns trimmed from a micro-batch (padding in all its rows) read 0. A micro-batch's actor and
-        reference forwards share one shared-prompt layout when ``shared_prefix`` packs it (each prompt's
-        K rows are then kept in one micro-batch).
-        """
-        parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
-        group_size = 1 if self.shared_prefix == "off" else self.num_samples
-        batches = self.micro_batches(attention_mask, T, group_size)
-        for rows, columns, t in batches:
-            ids, mask = input_ids[rows][:, columns], attention_mask[rows][:, columns]
-            layout = self.shared_prefix_layout(ids, mask, t)
-            # (a subclass whose forwards have no packed form keeps shared_prefix off: layout is None)
-            extra = {} if layout is None else {"layout": layout}
-            logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra)
-            ref_logprobs = self.reference_logprobs(ids, mask, t, layout=layout)
-            for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
-                parts[key].append(value)
-        n, rows = input_ids.shape[0], [b[0] for b in batches]
-        return tuple(None if v[0] is None else scatter_rows(v, rows, n, T) for v in parts.values())
-
-    def micro_batches(self, attention_mask: torch.Tensor, T: int, group_size: int = 1) -> list[MicroBatch]:
-        """(rows, columns, t) of the forwards over (B, P+T) rollout rows: at most ``forward_batch_size``
-        rows each, length-bucketed and trimmed under ``bucketing`` where that saves compute, else
-        consecutive rows at the full width; ``group_size`` consecutive rows stay together."""
-        return rollout_micro_batches(
-            attention_mask, T, self.bucketing, self.hparams.forward_batch_size, group_size
-        )
-
-    @torch.no_grad()
-    def score_responses(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        T: int,
-        truncated: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) adjusted sequence scores of the rollout and the (B,) bool mask of the rows to learn from.
-
-        Every score (reward model or function, and the monitor) is screened by ``on_nonfinite``: under
-        ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
-        prompt/response; under ``"drop"`` such rows are False in the mask (the caller gives them no
-        gradient with :meth:`drop_rows`), their scores are replaced by the mean of the kept scores of
-        their group (of the rollout when K = 1 or the whole group is dropped), so group baselines see only
-        kept scores, and ``rollout/nonfinite_scores`` counts them over all ranks. The monitor is only
-        logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
-        """
-        batches = self.micro_batches(attention_mask, T)
-        scores = self.rewards.score(input_ids, attention_mask, T, batches)  # (B,)
-        keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
-        scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
-        if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
-            monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False)
-            self.rollout_metrics.update({"monitor_score": monitor[monitor_keep].mean()})
-        return scores, keep
-
-    def screen(
-        self,
-        scores: torch.Tensor,
-        source: RewardSource,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        T: int,
-        counted: bool = True,
-    ) -> torch.Tensor:
-        """``guards.screen_scores`` under ``on_nonfinite``, decided the same on every rank: (B,) keep mask."""
-        bad = ~torch.isfinite(scores)  # (B,)
-        totals = self.trainer.strategy.reduce(  # non-finite and finite rows of every rank
-            torch.stack([bad.sum(), (~bad).sum()]).float(), reduce_op="sum"
-        )
-        if counted:
-            self.rollout_metrics.update({"nonfinite_scores": totals[0]})
-        if totals[0] == 0:
-            return ~bad
-        policy = self.hparams.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
-        rollout = self.rollouts_done + 1
-        if not bad.any():
-            if policy == "raise":
-                raise NonFiniteError(
-                    f"rollout {rollout}: {source.description} returned {int(totals[0])} non-finite scores on "
-                    "another rank (its error names them); set on_nonfinite='drop' to drop such rows"
-                )
-            return ~bad
-        prompts = self.tokenizer.batch_decode(input_ids[:, :-T], skip_special_tokens=True)
-        responses = source.decode_responses(input_ids[:, -T:], attention_mask[:, -T:].bool())
-        return screen_scores(
-            scores, policy, rollout=rollout, source=source.description, prompts=prompts, responses=responses,
-            allow_empty=bool(totals[1] > 0),
-        )  # fmt: skip
-
-    def drop_rows(self, rollout: Rollout, keep: torch.Tensor) -> Rollout:
-        """The rollout with dropped rows (``keep`` False) carrying no policy or value gradient.
-
-        Their advantages are 0 (so the clipped surrogate has neither value nor gradient for them) and
-        their value targets are their own old values; shapes stay equal on every rank (a sharded
-        forward is collective). Regularisers that do not use the score (entropy bonus, KL-to-reference
-        loss) still see them, as they see every sampled response.
-        """
-        if bool(keep.all()):
-            return rollout
-        row = keep[:, None]  # (B, 1)
-        advantages = torch.where(row, rollout.advantages, 0.0)  # (B, T)
-        returns = None if rollout.returns is None else torch.where(row, rollout.returns, rollout.old_values)
-        return replace(rollout, advantages=advantages, returns=returns)
-
-    def adjust_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-        """Missing-EOS penalty, then optional clipping of the sequence scores (seeds/000)."""
-        if self.hparams.missing_eos_penalty is not None:
-            scores = scores - self.hparams.missing_eos_penalty * truncated.float()
-        if self.hparams.score_clip is not None:
-            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
-        return scores
 
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
