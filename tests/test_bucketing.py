@@ -318,7 +318,7 @@ def test_reward_model_step_is_the_same_with_bucketing(tokenizer_dir, config):
 
     def step(module, batch):
         metrics = PairMetrics()
-        loss = module._step(batch, metrics)
+        loss, _, _ = module._step(batch, metrics)
         return loss, metrics.compute()
 
     assert_same_step(make, batch, step)
@@ -347,3 +347,27 @@ def test_bucketing_is_an_argument_of_every_module(tokenizer_dir):
     assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.1}
     ppo = tiny_ppo(tokenizer_dir, gpt2_config(), bucketing={"min_saving": 0.5}, critic_optimizer=adamw(1e-3))
     assert ppo.bucketing == Bucketing(min_saving=0.5) and ppo.hparams.bucketing["min_saving"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "settings", [{"bucketing": FORCED, "shared_prefix": "off"}, {"bucketing": {"enabled": False}, "shared_prefix": "on"}]
+)
+def test_reward_model_validation_returns_the_pair_scores_in_batch_order(tokenizer_dir, settings):
+    # Callbacks read the scores from validation_step's outputs (the demo's GoldAccuracy does), whatever
+    # layout scored the rows: length-bucketed micro-batches run in another row order.
+    from lit_rlhf.demo.evaluate import GoldAccuracy
+
+    batch = PreferenceCollator(pad_token_id=0)(ragged_rows(6))
+    module = RewardModelModule(spec(tokenizer_dir, llama_config()), **settings)
+    module.model.eval()
+    module.log = lambda *args, **kwargs: None  # outside a Trainer
+    with torch.no_grad():
+        outputs = module.validation_step(batch, 0)
+        expected = module(batch["input_ids"], batch["attention_mask"])  # one padded forward, batch order
+    torch.testing.assert_close(torch.cat([outputs["chosen"], outputs["rejected"]]), expected, rtol=1e-5, atol=1e-6)
+    callback = GoldAccuracy.__new__(GoldAccuracy)
+    callback.scores = []
+    callback.on_validation_batch_end(None, module, outputs, batch, 0)
+    torch.testing.assert_close(callback.scores[0], torch.stack(expected.double().chunk(2), dim=1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="validation_step must return the pair scores"):
+        callback.on_validation_batch_end(None, module, None, batch, 0)

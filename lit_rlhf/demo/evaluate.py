@@ -84,9 +84,10 @@ def evaluate_reward_model(rm_dir: str | Path, pairs_path: str | Path) -> dict:
 class GoldAccuracy(Callback):
     """Log ``val/gold_accuracy`` of a :class:`~lit_rlhf.modules.RewardModelModule` after each validation.
 
-    The scores of the module's own validation forwards (chosen rows first, then rejected, per batch) are
-    read with a forward hook and compared with the gold rewards of the same rows of ``pairs_path``,
-    which must be the DataModule's ``val_path`` (its validation loader keeps the file order).
+    The chosen and rejected scores that the module's ``validation_step`` returns (``outputs`` of
+    ``on_validation_batch_end``, in batch order whatever layout scored them) are compared with the gold
+    rewards of the same rows of ``pairs_path``, which must be the DataModule's ``val_path`` (its
+    validation loader keeps the file order).
 
     Args:
         pairs_path: jsonl file of the validation pairs with ``gold_chosen`` and ``gold_rejected``.
@@ -96,19 +97,25 @@ class GoldAccuracy(Callback):
         rows = read_jsonl(pairs_path)
         self.gold = torch.tensor([[r["gold_chosen"], r["gold_rejected"]] for r in rows], dtype=torch.float64)
         self.scores: list[torch.Tensor] = []
-        self._hook = None
-
-    def _record(self, module, inputs, scores: torch.Tensor) -> None:
-        self.scores.append(torch.stack(scores.detach().double().cpu().chunk(2), dim=1))
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.scores = []
-        self._hook = pl_module.register_forward_hook(self._record)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if not isinstance(outputs, dict) or "chosen" not in outputs:
+            raise TypeError(
+                f"GoldAccuracy: {type(pl_module).__name__}.validation_step must return the pair scores "
+                "({'chosen': (B,), 'rejected': (B,)}), as RewardModelModule does"
+            )
+        pair = torch.stack([outputs["chosen"], outputs["rejected"]], dim=1)  # (B, 2)
+        self.scores.append(pair.double().cpu())
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._hook.remove()
         if trainer.sanity_checking or not self.scores:
             return
         scores = torch.cat(self.scores)

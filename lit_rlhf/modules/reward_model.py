@@ -113,7 +113,11 @@ class RewardModelModule(SingleModelModule):
         """(N, L) token ids and mask -> (N,) float32 scores read at each row's last real token."""
         return sequence_scores(self.model, input_ids, attention_mask)
 
-    def _step(self, batch: dict[str, torch.Tensor], metrics: PairMetrics) -> torch.Tensor:
+    def _step(
+        self, batch: dict[str, torch.Tensor], metrics: PairMetrics
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairwise loss of a (2B, L) batch and the (B,) chosen and (B,) rejected scores, in batch order
+        (however the rows were scored: padded, length-bucketed or in the shared-prompt layout)."""
         check_batch(batch, "preference", type(self).__name__)
         # the shared-prompt layout needs to know the prompt: batches without a response_mask stay padded
         mode = self.hparams.shared_prefix if "response_mask" in batch else "off"
@@ -132,11 +136,11 @@ class RewardModelModule(SingleModelModule):
         if self.hparams.center_rewards_coef > 0:
             loss = loss + self.hparams.center_rewards_coef * ((chosen + rejected) ** 2).mean()
         metrics.update(chosen, rejected)
-        return loss
+        return loss, chosen, rejected
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._step(batch, self.train_metrics)
+        loss, _, _ = self._step(batch, self.train_metrics)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -145,18 +149,22 @@ class RewardModelModule(SingleModelModule):
         self._log_pair_metrics("train", self.train_metrics)
 
     @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = self._step(batch, self.val_metrics)
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Logs ``val/loss``; returns the pair scores (``on_validation_batch_end``'s ``outputs``)."""
+        loss, chosen, rejected = self._step(batch, self.val_metrics)
         self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0] // 2)
+        return {"loss": loss, "chosen": chosen.detach(), "rejected": rejected.detach()}
 
     @override
     def on_validation_epoch_end(self) -> None:
         self._log_pair_metrics("val", self.val_metrics)
 
     @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = self._step(batch, self.test_metrics)
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Logs ``test/loss``; returns the pair scores (``on_test_batch_end``'s ``outputs``)."""
+        loss, chosen, rejected = self._step(batch, self.test_metrics)
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0] // 2)
+        return {"loss": loss, "chosen": chosen.detach(), "rejected": rejected.detach()}
 
     @override
     def on_test_epoch_end(self) -> None:
