@@ -6,7 +6,6 @@ Field names are those of the PPO batch in seeds/002.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -242,18 +241,24 @@ class Rollout:
         advantages: (B, T) float32 GAE advantages (whitened when configured).
         returns: (B, T) float32 GAE returns = advantages (before whitening) + old_values.
         scores: (B,) float32 sequence-level reward-model / reward-function scores.
+        rows: (B,) long, the rows of the buffered rollout these rows are (set by
+            ``ReplayBuffer.minibatches``, so a loss can write per-row outputs back; None as built).
+
+    ``old_logprobs`` is None when the update computes them: one on-policy optimiser step per rollout,
+    see :class:`UpdateRecord`.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor
     old_values: torch.Tensor | None
     rewards: torch.Tensor | None
     advantages: torch.Tensor
     returns: torch.Tensor | None
     scores: torch.Tensor
+    rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -285,59 +290,3 @@ class Rollout:
                 continue
             trimmed[f.name] = value[:, columns] if f.name in ("input_ids", "attention_mask") else value[:, :t]
         return replace(self, **trimmed)
-
-
-class ReplayBuffer:
-    """Holds the current rollout and yields seeded, shuffled minibatches for the inner PPO epochs.
-
-    Its generator state is part of the PPO checkpoint, so a resumed run draws the same minibatches.
-    A rollout put with ``group_size`` K > 1 is shuffled by groups of K consecutive rows (a prompt's
-    K responses stay together and in order, for the shared-prompt layout): the minibatches then hold
-    whole groups, a different composition (and a different draw of the generator) than row shuffling.
-
-    Args:
-        num_minibatches: minibatches per PPO epoch; the rollout's rows are split evenly among them.
-        seed: seed of the shuffling generator.
-    """
-
-    def __init__(self, num_minibatches: int, seed: int = 0) -> None:
-        if num_minibatches < 1:
-            raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
-        self.num_minibatches = num_minibatches
-        self.generator = torch.Generator().manual_seed(seed)
-        self.rollout: Rollout | None = None
-        self.group_size = 1
-
-    def put(self, rollout: Rollout, group_size: int = 1) -> None:
-        """Hold ``rollout``; ``group_size`` > 1 shuffles groups of that many consecutive rows."""
-        if group_size < 1 or rollout.batch_size % group_size:
-            raise ValueError(
-                f"group_size={group_size} must be >= 1 and divide the rollout's {rollout.batch_size} rows"
-            )
-        units = rollout.batch_size // group_size
-        if units < self.num_minibatches:
-            what = "rows" if group_size == 1 else f"groups of {group_size} rows"
-            raise ValueError(
-                f"a rollout of {units} {what} cannot be split into "
-                f"num_minibatches={self.num_minibatches}; raise the prompt batch size or lower num_minibatches"
-            )
-        self.rollout, self.group_size = rollout, group_size
-
-    def minibatches(self) -> Iterator[Rollout]:
-        """One PPO epoch: a fresh permutation of the rows (or groups) cut into ``num_minibatches`` parts."""
-        if self.rollout is None:
-            raise RuntimeError("ReplayBuffer is empty: put() a rollout first")
-        K = self.group_size
-        order = torch.randperm(self.rollout.batch_size // K, generator=self.generator)  # (B / K,)
-        for groups in order.tensor_split(self.num_minibatches):
-            index = (groups[:, None] * K + torch.arange(K)).flatten()  # the groups' rows, in order
-            yield self.rollout.select(index.to(self.rollout.input_ids.device))
-
-    def clear(self) -> None:
-        self.rollout = None
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["generator"])

@@ -170,3 +170,48 @@ def test_hparams_are_plain_values(tokenizer_dir, tmp_path, kind):
     assert rebuilt.generation == settings
     (row,) = read_metrics(tmp_path)
     assert "rollout/group_score_std" in row  # K = 2 for PPO too
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, True),
+        ({"ppo_epochs": 2}, False),
+        ({"num_minibatches": 2}, False),
+        ({"kl_coef": 0.05}, False),
+        ({"old_logprobs_from_update": False}, False),
+    ],
+)
+def test_on_policy_update_only_with_one_step_and_no_kl_in_the_reward(tokenizer_dir, overrides, expected):
+    settings = dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.0, kl_loss_coef=0.05)
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), **{**settings, **overrides})
+    assert module.on_policy_update is expected
+
+
+def test_old_logprobs_from_the_update_equal_the_scoring_forward(tokenizer_dir, tmp_path):
+    # One optimiser step per rollout: the update's forward gives the old log-probs, the actor's scoring
+    # forward is skipped, and the run logs what the run with the scoring forward logs (ratio exactly 1).
+    def run(root, from_update):
+        torch.manual_seed(0)
+        module = tiny_critic_free(
+            tokenizer_dir, gpt2_config(), ppo_epochs=1, num_minibatches=1, kl_coef=0.0, kl_loss_coef=0.05,
+            forward_batch_size=4, max_rollouts=3, old_logprobs_from_update=from_update,
+        )  # fmt: skip
+        calls = []
+        module.actor.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        trainer(root).fit(module, prompt_loader(tokenizer_dir, n=12, batch_size=4))
+        return read_metrics(root), calls
+
+    reused, reused_calls = run(tmp_path / "reused", True)
+    scored, scored_calls = run(tmp_path / "scored", False)
+    # 16 rows in micro-batches of 4: the reused run has no no-grad actor forward outside generation
+    # (generate's own forwards run without grad too: count the grad-enabled ones and the total)
+    assert sum(reused_calls) == sum(scored_calls) > 0
+    assert len(scored_calls) - len(reused_calls) == 3 * 4  # 3 rollouts x 4 scoring micro-batches
+    assert len(reused) == len(scored) == 3
+    for a, b in zip(reused, scored):
+        assert a["policy/ratio_mean"] == 1.0 and a["policy/clipfrac"] == 0.0
+        for key in ("rollout/score", "rollout/kl_ref", "rollout/entropy", "rollout/response_length",
+                    "policy/policy_loss", "policy/kl_loss", "policy/entropy"):  # fmt: skip
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert reused[-1]["rollout/kl_ref"] > 0  # the record was filled (a zero record would read KL = -ref)

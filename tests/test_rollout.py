@@ -8,9 +8,9 @@ from conftest import gpt2_config, llama_config
 from ppo_helpers import prompt_loader
 
 from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer, policy_forward
+from lit_rlhf.replay import ReplayBuffer
 from lit_rlhf.rollout import (
     GenerationSettings,
-    ReplayBuffer,
     Rollout,
     generate_responses,
     generation_kwargs,

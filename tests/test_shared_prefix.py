@@ -27,7 +27,8 @@ from lit_rlhf.models import (
     sequence_scores,
     shared_prefix_layout,
 )
-from lit_rlhf.rollout import ReplayBuffer, Rollout
+from lit_rlhf.replay import ReplayBuffer
+from lit_rlhf.rollout import Rollout
 
 PAD = 0
 

@@ -25,6 +25,7 @@ from lit_rlhf.batching import Bucketing
 from lit_rlhf.models import ModelSpec
 from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
 from lit_rlhf.modules.optim import PolicyAdamW, resolve_total_steps
+from lit_rlhf.replay import UpdateRecord
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -112,6 +113,11 @@ class CriticFreeModule(OnlineRLModule):
             padded one (prompts about as long as the responses or longer; short prompts stay padded) and
             the attention is sdpa or eager; ``on`` always packs. When the rollout packs, the update
             shuffles whole groups (a prompt's K rows stay in one minibatch) instead of rows.
+        old_logprobs_from_update: when each rollout gets exactly one optimiser step (``ppo_epochs`` =
+            ``num_minibatches`` = 1) and no KL penalty in the reward (``kl_coef`` = 0),
+            take the old log-probs and the rollout entropy from that step's own forward instead of a
+            separate scoring forward of the actor: its policy is the rollout policy, so the ratio is
+            exactly 1 (TRL's GRPOTrainer does the same). False always runs the scoring forward.
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
@@ -155,6 +161,7 @@ class CriticFreeModule(OnlineRLModule):
         rng_seed: int | None = None,
         on_nonfinite: Literal["raise", "drop"] = "raise",
         shared_prefix: Literal["auto", "on", "off"] = "auto",
+        old_logprobs_from_update: bool = True,
         actor_optimizer: OptimizerCallable = PolicyAdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -174,6 +181,14 @@ class CriticFreeModule(OnlineRLModule):
         )  # fmt: skip
         self.save_plain_hyperparameters(ignore=["actor_optimizer", "actor_scheduler"])
         self.factories = (actor_optimizer, actor_scheduler)
+        self.update_record: UpdateRecord | None = None  # set while an on-policy update fills it
+
+    @property
+    def on_policy_update(self) -> bool:
+        """Whether the update's one optimiser step computes the old log-probs (``old_logprobs_from_update``)."""
+        hp = self.hparams
+        one_step = hp.ppo_epochs == 1 and hp.num_minibatches == 1
+        return hp.old_logprobs_from_update and one_step and hp.kl_coef == 0  # (kl_target needs kl_coef > 0)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -183,27 +198,36 @@ class CriticFreeModule(OnlineRLModule):
         responses, response_mask, truncated = self.generate(prompts, prompt_mask)
         input_ids = torch.cat([prompts, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-        # 2. Score without gradients: old/ref log-probs and sequence scores.
-        T = responses.shape[1]
-        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(input_ids, attention_mask, T)
+        # 2. Score without gradients: reference log-probs and sequence scores, and the old log-probs and
+        #    entropy unless the update's one on-policy step computes them (None then).
+        T, on_policy = responses.shape[1], self.on_policy_update
+        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(
+            input_ids, attention_mask, T, policy=not on_policy
+        )
         scores, keep = self.score_responses(input_ids, attention_mask, T, truncated)
         # 3. Advantages of the chosen estimator, per token.
-        advantages, kl = self.estimate_advantages(scores, old_logprobs, ref_logprobs, response_mask)
-        sequence_kl = F.masked_row_sum(kl, response_mask)
-        self.log_rollout_stats(
-            scores, scores - self.kl_ctl.value * sequence_kl, kl, response_mask, truncated, entropy
-        )
+        advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, response_mask)
         rollout = Rollout(
             input_ids, attention_mask, response_mask, old_logprobs, ref_logprobs,
             old_values=None, rewards=None, advantages=advantages, returns=None, scores=scores,
         )  # fmt: skip
         # 4. ppo_epochs passes of the clipped surrogate over shuffled minibatches (of whole groups when
-        #    the shared-prompt layout packs them).
+        #    the shared-prompt layout packs them); an on-policy step records the old log-probs.
         group_size = self.num_samples if self.packs_groups(input_ids, attention_mask, T) else 1
         self.buffer.put(self.drop_rows(rollout, keep), group_size=group_size)
+        self.update_record = UpdateRecord(response_mask) if on_policy else None
         self.update_policy()
+        if on_policy:
+            old_logprobs, entropy = self.update_record.logprobs, self.update_record.entropy
         self.buffer.clear()
-        # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
+        self.update_record = None
+        # 5. Rollout statistics (the rollout policy's KL to the reference), controllers and schedules
+        #    advance once per rollout; metrics and samples are logged.
+        kl = torch.where(response_mask, F.kl_penalty(old_logprobs, ref_logprobs, self.hparams.kl_estimator), 0.0)
+        sequence_kl = F.masked_row_sum(kl, response_mask)
+        self.log_rollout_stats(
+            scores, scores - self.kl_ctl.value * sequence_kl, kl, response_mask, truncated, entropy
+        )
         self.update_kl_controller(kl, response_mask)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
@@ -212,21 +236,23 @@ class CriticFreeModule(OnlineRLModule):
     def estimate_advantages(
         self,
         scores: torch.Tensor,
-        old_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
         ref_logprobs: torch.Tensor,
         response_mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) scores -> (B, T) advantages and the (B, T) per-token KL to the reference.
+    ) -> torch.Tensor:
+        """(B,) scores -> (B, T) advantages.
 
         The estimator's per-sequence value goes to the last real token, the KL penalty (``kl_coef``) to
         every token; the discounted returns of these rewards are the advantages, whitened over the
-        batch of every rank for the REINFORCE++ estimators.
+        batch of every rank for the REINFORCE++ estimators. ``old_logprobs`` None (an on-policy update
+        computes them): the reward holds no KL term (``kl_coef`` is 0 then).
         """
         hp = self.hparams
         sequence_advantages = baselined_scores(scores, hp.advantage_estimator, self.num_samples)  # (B,)
-        rewards, kl = F.kl_shaped_rewards(
-            sequence_advantages, old_logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
-        )  # (B, T) each
+        logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # None: a zero KL term
+        rewards, _ = F.kl_shaped_rewards(
+            sequence_advantages, logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
+        )  # (B, T)
         advantages = F.discounted_returns(rewards, response_mask, hp.gamma)  # (B, T)
         self.update_metrics.update(
             {
@@ -236,7 +262,7 @@ class CriticFreeModule(OnlineRLModule):
         )
         if hp.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
             advantages = self.whiten(advantages, response_mask)  # (B, T)
-        return advantages, kl
+        return advantages
 
     def update_policy(self) -> float:
         """The update phase: ``ppo_epochs`` passes of :meth:`policy_loss` over the buffered rollout.
@@ -255,11 +281,14 @@ class CriticFreeModule(OnlineRLModule):
             self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, layout,
             entropy_grad=hp.ent_coef > 0,
         )  # fmt: skip
+        old_logprobs = part.old_logprobs
+        if self.update_record is not None:  # the one on-policy step: its policy is the rollout policy
+            old_logprobs = self.update_record.put(part.rows, logprobs, entropy)
         aggregation = dict(
             loss_aggregation=hp.loss_aggregation, max_response_length=self.generation.max_new_tokens
         )
         pg_loss, stats = F.ppo_policy_loss(
-            logprobs, part.old_logprobs, part.advantages, mask, hp.clip_coef, hp.clip_coef_high,
+            logprobs, old_logprobs, part.advantages, mask, hp.clip_coef, hp.clip_coef_high,
             importance_sampling_level=hp.importance_sampling_level, **aggregation,
         )  # fmt: skip
         mean_entropy = F.masked_mean(entropy, mask)

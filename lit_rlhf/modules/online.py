@@ -40,8 +40,9 @@ from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
 from lit_rlhf.modules.online_eval import OnlineEvaluation, evaluation_settings
 from lit_rlhf.modules.online_scoring import RolloutScoring
+from lit_rlhf.replay import ReplayBuffer
 from lit_rlhf.rewards import RewardSource
-from lit_rlhf.rollout import GenerationSettings, ReplayBuffer, Rollout, generate_responses
+from lit_rlhf.rollout import GenerationSettings, Rollout, generate_responses
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",

@@ -100,8 +100,11 @@ class RolloutScoring(LightningModule):
         return ref_logprobs
 
     @torch.no_grad()
-    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int):
+    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, policy: bool = True):
         """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
+
+        ``policy=False`` runs the reference forward only (old log-probs, values and entropy are None): for
+        an update whose one optimiser step takes them from its own forward (``old_logprobs_from_update``).
 
         Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
         :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
@@ -117,7 +120,7 @@ class RolloutScoring(LightningModule):
             layout = self.shared_prefix_layout(ids, mask, t)
             # (a subclass whose forwards have no packed form keeps shared_prefix off: layout is None)
             extra = {} if layout is None else {"layout": layout}
-            logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra)
+            logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra) if policy else (None,) * 3
             ref_logprobs = self.reference_logprobs(ids, mask, t, layout=layout)
             for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
                 parts[key].append(value)
