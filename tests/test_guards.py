@@ -13,7 +13,14 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_rlhf.data import PreferenceDataModule, SFTDataModule
-from lit_rlhf.guards import NonFiniteError, StepGuard, check_finite_weights, screen_scores
+from lit_rlhf.guards import (
+    NonFiniteError,
+    StepGuard,
+    all_finite,
+    check_finite_weights,
+    first_nonfinite_weight,
+    screen_scores,
+)
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
 from lit_rlhf.modules import DPOModule, RewardModelModule, SFTModule
 
@@ -46,6 +53,35 @@ def test_screen_scores_drop_returns_keep_mask_and_refuses_to_drop_everything():
 
 
 # ------------------------------------------------------------------------------------------------- steps
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        (None, True),
+        (float("nan"), False),
+        (float("inf"), False),
+        (float("-inf"), False),
+        (1e30, True),  # finite, but its square overflows the float32 norm: settled element by element
+        (-3.0e38, True),
+    ],
+)
+def test_all_finite_checks_every_element(bad, expected):
+    tensors = [torch.randn(7, 5), torch.randn(0), torch.randn(11)]
+    if bad is not None:
+        tensors[2][4] = bad
+    assert all_finite(tensors) is expected
+    assert all_finite([]) is True
+
+
+def test_first_nonfinite_weight_names_the_parameter():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    assert first_nonfinite_weight(model) is None
+    with torch.no_grad():
+        model[1].weight[0, 0] = 1e30  # finite: not reported
+        assert first_nonfinite_weight(model) is None
+        model[1].bias[1] = float("nan")
+    assert first_nonfinite_weight(model) == "1.bias"
+
+
 def test_step_guard_drops_gradients_of_a_nonfinite_step_and_counts_it():
     layer = torch.nn.Linear(2, 1)
     opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
