@@ -1,0 +1,61 @@
+"""The transposed LM head of generation: same logits, same tokens, only where it applies, restored after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpt2_config, llama_config
+
+from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
+from lit_rlhf.models.decoding import TRANSPOSED_HEAD_MIN_ELEMENTS, transposed_lm_head
+
+
+def _model(tokenizer_dir, config, vocab=None, **fields):
+    config = {**config, **({"vocab_size": vocab} if vocab else {}), **fields}
+    tokenizer = load_tokenizer(tokenizer_dir, padding_side="left")
+    return build_causal_lm(ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0), tokenizer).eval()
+
+
+def _wide(config):
+    # a head of >= TRANSPOSED_HEAD_MIN_ELEMENTS: hidden 64 x vocab 16,384 (token ids stay < the real vocab)
+    hidden = config.get("n_embd", config.get("hidden_size"))
+    return max(TRANSPOSED_HEAD_MIN_ELEMENTS // hidden, 1024) + 7
+
+
+@pytest.mark.parametrize("config", [gpt2_config(), llama_config()], ids=["gpt2", "llama"])
+def test_logits_and_sampled_tokens_equal_the_plain_head(tokenizer_dir, config):
+    model = _model(tokenizer_dir, config, vocab=_wide(config))
+    ids = torch.randint(5, 100, (3, 9))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with transposed_lm_head(model) as swapped:
+            assert swapped
+            fast = model(input_ids=ids).logits
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert "forward" not in model.get_output_embeddings().__dict__  # restored
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True, pad_token_id=0)
+    torch.manual_seed(3)
+    expected = model.generate(**kwargs)
+    torch.manual_seed(3)
+    with transposed_lm_head(model):
+        got = model.generate(**kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_left_alone_where_it_does_not_apply(tokenizer_dir):
+    small = _model(tokenizer_dir, gpt2_config())  # a head below the size threshold
+    with transposed_lm_head(small) as swapped:
+        assert not swapped
+    wide = _model(tokenizer_dir, gpt2_config(), vocab=_wide(gpt2_config()))
+    with transposed_lm_head(wide, enabled=False) as swapped:
+        assert not swapped
+    with transposed_lm_head(wide) as outer, transposed_lm_head(wide) as inner:
+        assert outer and not inner  # nested: the swapped head is not swapped again
+    assert "forward" not in wide.get_output_embeddings().__dict__
+
+
+def test_restored_after_an_error(tokenizer_dir):
+    model = _model(tokenizer_dir, gpt2_config(), vocab=_wide(gpt2_config()))
+    with pytest.raises(RuntimeError, match="boom"), transposed_lm_head(model):
+        raise RuntimeError("boom")
+    assert "forward" not in model.get_output_embeddings().__dict__
