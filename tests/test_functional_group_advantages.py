@@ -112,3 +112,21 @@ def test_group_score_stats_and_masked_row_sum():
     x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()
     assert F.masked_row_sum(x, mask).tolist() == [3.0, 4.0]
+
+
+def test_sequence_advantages_dispatch_by_hand():
+    # two groups of K = 2: (1, 3) and (5, 5)
+    scores = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    s = 2.0**0.5  # unbiased std of (1, 3)
+    expected = {
+        "grpo": [-1.0 / (s + 1e-6), 1.0 / (s + 1e-6), 0.0, 0.0],
+        "dr_grpo": [-1.0, 1.0, 0.0, 0.0],
+        "rloo": [-2.0, 2.0, 0.0, 0.0],
+        "reinforce_pp_baseline": [-1.0, 1.0, 0.0, 0.0],
+        "reinforce_pp": [1.0, 3.0, 5.0, 5.0],
+    }
+    assert set(expected) == set(F.SEQUENCE_ESTIMATORS)
+    for estimator, values in expected.items():
+        torch.testing.assert_close(F.sequence_advantages(scores, estimator, 2), torch.tensor(values))
+    with pytest.raises(ValueError, match="`estimator` must be one of"):
+        F.sequence_advantages(scores, "gae", 2)

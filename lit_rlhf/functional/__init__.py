@@ -5,11 +5,14 @@ everything computed from them are float32. See DESIGN.md "functional/ — the pu
 """
 
 from lit_rlhf.functional.advantages import (
+    GROUP_ESTIMATORS,
+    SEQUENCE_ESTIMATORS,
     compute_gae,
     discounted_returns,
     fill_dropped_scores,
     grpo_advantages,
     rloo_advantages,
+    sequence_advantages,
 )
 from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
 from lit_rlhf.functional.kl_controllers import (
@@ -46,6 +49,8 @@ from lit_rlhf.functional.stats import (
 )
 
 __all__ = [
+    "GROUP_ESTIMATORS",
+    "SEQUENCE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
@@ -82,4 +87,5 @@ __all__ = [
     "ppo_policy_loss",
     "reference_kl_loss",
     "rloo_advantages",
+    "sequence_advantages",
 ]

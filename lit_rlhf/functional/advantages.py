@@ -136,6 +136,38 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(all_equal, 0.0, grouped - others_mean).flatten()  # (B,)
 
 
+SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# estimators whose baseline is the other responses to the same prompt: they need K >= 2
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def sequence_advantages(scores: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
+    """(B,) sequence scores -> (B,) per-sequence advantages of a critic-free estimator.
+
+    ``grpo`` / ``dr_grpo``: :func:`grpo_advantages` with / without the std division; ``rloo``:
+    :func:`rloo_advantages`; ``reinforce_pp_baseline``: the group mean subtracted (REINFORCE++-baseline,
+    Hu 2025, arXiv 2501.03262, whitened over the batch afterwards like REINFORCE++); ``reinforce_pp``: the
+    scores themselves (its baseline is the batch whitening of the returns).
+
+    Args:
+        scores: (B,) sequence scores, B = G * K, each prompt's K responses contiguous.
+        estimator: one of ``SEQUENCE_ESTIMATORS``.
+        group_size: K (>= 2 for the ``GROUP_ESTIMATORS``).
+
+    Returns:
+        (B,) advantages.
+    """
+    if estimator in ("grpo", "dr_grpo"):
+        return grpo_advantages(scores, group_size, scale_by_std=estimator == "grpo")  # (B,)
+    if estimator == "rloo":
+        return rloo_advantages(scores, group_size)  # (B,)
+    if estimator == "reinforce_pp_baseline":
+        return grpo_advantages(scores, group_size, scale_by_std=False)  # (B,)
+    if estimator == "reinforce_pp":
+        return scores  # (B,)
+    raise ValueError(f"sequence_advantages: `estimator` must be one of {SEQUENCE_ESTIMATORS}, got {estimator!r}")
+
+
 def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{l >= 0} gamma^l r_{t+l} over each response's real tokens (0 on padding).
 

@@ -23,30 +23,17 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.batching import Bucketing
 from lit_rlhf.models import ModelSpec
-from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
+from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.online_checks import check_critic_free_args
 from lit_rlhf.modules.optim import PolicyAdamW, resolve_total_steps
 from lit_rlhf.replay import UpdateRecord
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# estimators whose baseline is the other responses to the same prompt: they need K >= 2
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 POLICY_METRICS = (
     "policy_loss", "kl_loss", "entropy", "approx_kl", "policy_kl", "clipfrac", "ratio_mean", "ratio_max",
     "skipped_minibatches", "nonfinite_steps", "advantages_mean", "advantages_std",
 )  # fmt: skip
-
-
-def baselined_scores(scores: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
-    """(B,) scores -> (B,) per-sequence advantages of a group estimator, or the scores for ``reinforce_pp``."""
-    if estimator in ("grpo", "dr_grpo"):
-        return F.grpo_advantages(scores, group_size, scale_by_std=estimator == "grpo")
-    if estimator == "rloo":
-        return F.rloo_advantages(scores, group_size)
-    if estimator == "reinforce_pp_baseline":  # the group mean subtracted, then whitened like REINFORCE++
-        return F.grpo_advantages(scores, group_size, scale_by_std=False)
-    return scores
 
 
 class CriticFreeModule(OnlineRLModule):
@@ -248,7 +235,7 @@ class CriticFreeModule(OnlineRLModule):
         computes them): the reward holds no KL term (``kl_coef`` is 0 then).
         """
         hp = self.hparams
-        sequence_advantages = baselined_scores(scores, hp.advantage_estimator, self.num_samples)  # (B,)
+        sequence_advantages = F.sequence_advantages(scores, hp.advantage_estimator, self.num_samples)  # (B,)
         logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # None: a zero KL term
         rewards, _ = F.kl_shaped_rewards(
             sequence_advantages, logprobs, ref_logprobs, response_mask, self.kl_ctl.value, hp.kl_estimator
@@ -317,45 +304,3 @@ class CriticFreeModule(OnlineRLModule):
         scheduler = scheduler_fn(optimizer)
         resolve_total_steps(scheduler, self.hparams.max_rollouts or self.trainer.estimated_stepping_batches)
         return [optimizer], [scheduler]
-
-
-def check_critic_free_args(args: dict) -> None:
-    """Check CriticFreeModule's own arguments early, with messages naming the argument."""
-    name, estimator = "CriticFreeModule", args["advantage_estimator"]
-    check_finite_floats(name, args)
-    if estimator == "gae":
-        raise ValueError(
-            f"{name}: advantage_estimator='gae' needs a critic; use lit_rlhf.modules.PPOModule for GAE"
-        )
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"{name}: advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}"
-        )
-    generation = GenerationSettings.coerce(args["generation"], "generation")
-    if estimator in GROUP_ESTIMATORS and generation.num_samples < 2:
-        raise ValueError(
-            f"{name}: advantage_estimator={estimator!r} needs generation.num_samples >= 2 (its baseline is "
-            f"the other responses to the same prompt), got num_samples={generation.num_samples}"
-        )
-    for key in ("ppo_epochs", "num_minibatches", "forward_batch_size", "clip_coef"):
-        if args[key] <= 0:
-            raise ValueError(f"{name}: {key} must be > 0, got {args[key]}")
-    if args["clip_coef_high"] is not None and args["clip_coef_high"] <= 0:
-        raise ValueError(f"{name}: clip_coef_high must be > 0 or None, got {args['clip_coef_high']}")
-    for key in ("ent_coef", "kl_coef", "kl_loss_coef"):
-        if args[key] < 0:
-            raise ValueError(f"{name}: {key} must be >= 0, got {args[key]}")
-    if not 0.0 <= args["gamma"] <= 1.0:
-        raise ValueError(f"{name}: gamma must be in [0, 1], got {args['gamma']}")
-    if args["loss_aggregation"] not in F.LOSS_AGGREGATIONS:
-        raise ValueError(
-            f"{name}: loss_aggregation must be one of {F.LOSS_AGGREGATIONS}, got {args['loss_aggregation']!r}"
-        )
-    if args["importance_sampling_level"] not in F.IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"{name}: importance_sampling_level must be 'token' or 'sequence', "
-            f"got {args['importance_sampling_level']!r}"
-        )
-    for key in ("kl_estimator", "kl_loss_estimator"):
-        if args[key] not in F.KL_ESTIMATORS:
-            raise ValueError(f"{name}: {key} must be one of {F.KL_ESTIMATORS}, got {args[key]!r}")

@@ -12,7 +12,6 @@ metrics, resume state and export in :mod:`~lit_rlhf.modules.online_bookkeeping` 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -38,6 +37,7 @@ from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models
 from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
+from lit_rlhf.modules.online_checks import check_online_args
 from lit_rlhf.modules.online_eval import OnlineEvaluation, evaluation_settings
 from lit_rlhf.modules.online_scoring import RolloutScoring
 from lit_rlhf.replay import ReplayBuffer
@@ -295,38 +295,3 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
     @override
     def configure_model(self) -> None:
         shard_models(self, self.sharded_models)
-
-
-def check_online_args(
-    name: str,
-    reward_model: ModelSpec | None,
-    reward_fn: str | None,
-    forward_batch_size: int,
-    kl_coef: float,
-    max_rollouts: int | None,
-    log_samples_every: int,
-    on_nonfinite: str,
-) -> None:
-    """Check the shared arguments early, with messages naming the module and the argument."""
-    if on_nonfinite not in ("raise", "drop"):
-        raise ValueError(f"{name}: on_nonfinite must be 'raise' or 'drop', got {on_nonfinite!r}")
-    if (reward_model is None) == (reward_fn is None):
-        raise ValueError(
-            f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
-        )
-    if forward_batch_size <= 0:
-        raise ValueError(f"{name}: forward_batch_size must be > 0, got {forward_batch_size}")
-    if kl_coef < 0:
-        raise ValueError(f"{name}: kl_coef must be >= 0, got {kl_coef}")
-    if max_rollouts is not None and max_rollouts < 1:
-        raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")
-    if log_samples_every < 0:
-        raise ValueError(f"{name}: log_samples_every must be >= 0, got {log_samples_every}")
-
-
-def check_finite_floats(name: str, args: dict) -> None:
-    """Refuse NaN and infinite float arguments (``clip_coef: nan`` would pass every ``<= 0`` check)."""
-    for key, value in args.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name}: {key} must be a finite number, got {value}")
-

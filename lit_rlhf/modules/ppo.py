@@ -23,7 +23,8 @@ from lit_rlhf.models import (
     disable_dropout,
     policy_forward,
 )
-from lit_rlhf.modules.online import OnlineRLModule, check_finite_floats
+from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.online_checks import check_ppo_args
 from lit_rlhf.modules.optim import CriticAdamW, PolicyAdamW, resolve_total_steps
 from lit_rlhf.rollout import GenerationSettings, Rollout
 
@@ -339,44 +340,3 @@ class PPOModule(OnlineRLModule):
     def exported_models(self) -> dict:
         """``actor`` and, when separate, ``critic``."""
         return {"actor": self.actor, "critic": self.critic}
-
-
-def check_ppo_args(args: dict) -> None:
-    """Check PPOModule's own arguments early, with messages naming the argument."""
-    check_finite_floats("PPOModule", args)
-    if (args["reward_model"] is None) == (args["reward_fn"] is None):
-        raise ValueError(
-            "PPOModule: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')"
-        )
-    if args["share_critic_backbone"] and args["critic"] is not None:
-        raise ValueError(
-            "PPOModule: share_critic_backbone=True uses a value head on the actor; do not also set critic"
-        )
-    for name in (
-        "ppo_epochs",
-        "num_minibatches",
-        "forward_batch_size",
-        "clip_coef",
-        "init_beta",
-        "beta_target",
-    ):
-        if args[name] <= 0:
-            raise ValueError(f"PPOModule: {name} must be > 0, got {args[name]}")
-    if args["clip_coef_high"] is not None and args["clip_coef_high"] <= 0:
-        raise ValueError(f"PPOModule: clip_coef_high must be > 0 or None, got {args['clip_coef_high']}")
-    if args["clip_coef_value"] <= 0:  # 0 would pin the values to the old ones: the critic could not learn
-        raise ValueError(f"PPOModule: clip_coef_value must be > 0, got {args['clip_coef_value']}")
-    for name in ("vf_coef", "ent_coef", "kl_coef"):
-        if args[name] < 0:
-            raise ValueError(f"PPOModule: {name} must be >= 0, got {args[name]}")
-    for name in ("gamma", "gae_lambda"):
-        if not 0.0 <= args[name] <= 1.0:
-            raise ValueError(f"PPOModule: {name} must be in [0, 1], got {args[name]}")
-    if args["loss_aggregation"] not in F.LOSS_AGGREGATIONS:
-        raise ValueError(
-            f"PPOModule: loss_aggregation must be one of {F.LOSS_AGGREGATIONS}, got {args['loss_aggregation']!r}"
-        )
-    if args["policy_loss"] not in ("clip", "kl_penalty"):
-        raise ValueError(
-            f"PPOModule: policy_loss must be 'clip' or 'kl_penalty', got {args['policy_loss']!r}"
-        )
