@@ -48,6 +48,27 @@ RM = dict(
 )
 
 
+# TrainingArguments fields every TRL run of the benchmark shares: float32 on the CPU like lit_rlhf (TRL's
+# configs default to bf16 autocast and gradient checkpointing, which lit_rlhf does not run here), no
+# reporting, no checkpoints, seed 0.
+TRL_COMMON = dict(
+    bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none", disable_tqdm=True,
+    save_strategy="no", seed=0,
+)  # fmt: skip
+
+
+def bench_parser(doc: str | None, impl: bool = True):
+    """The argparse parser every benchmark script starts from: --impl lit|trl, --assets, --threads."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if impl:
+        parser.add_argument("--impl", choices=["lit", "trl"], required=True)
+    parser.add_argument("--assets", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
 def default_optimizer(module_class: type, argument: str, **kwargs):
     """The module's own default optimiser factory with the benchmark's hyper-parameters bound, so the
     benchmark measures lit_rlhf's defaults (whatever AdamW variant the module picks)."""

@@ -17,13 +17,12 @@ tokens of each rollout (EOS included), peak RSS. The first rollout is a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timeline, default_optimizer, emit, footprint, set_threads  # noqa: E402
+from common import TRL_COMMON, Timeline, bench_parser, default_optimizer, emit, footprint, set_threads  # noqa: E402
 from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
 
 
@@ -148,15 +147,8 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             max_steps=size["grpo_rollouts"],
             shuffle_dataset=False,
             disable_dropout=True,
-            # GRPOConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
-            bf16=False,
-            gradient_checkpointing=False,
-            use_cpu=True,
-            report_to="none",
-            disable_tqdm=True,
-            save_strategy="no",
             logging_steps=1,
-            seed=0,
+            **TRL_COMMON,
         )
         trainer = TimedGRPOTrainer(
             model=model, reward_funcs=[bench_reward], args=config, train_dataset=data,
@@ -167,13 +159,8 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
-    parser.add_argument("--assets", required=True)
+    parser = bench_parser(__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     set_threads(args.threads)
     import torch

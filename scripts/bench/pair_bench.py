@@ -20,13 +20,12 @@ of every optimiser step and the pairs of each step; the first step is a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import StepClock, default_optimizer, emit, footprint, set_threads  # noqa: E402
+from common import TRL_COMMON, StepClock, bench_parser, default_optimizer, emit, footprint, set_threads  # noqa: E402
 from workloads import PAIRS, SIZES, assets_dir, load_rows  # noqa: E402
 
 
@@ -117,14 +116,7 @@ def run_trl(args, clock: StepClock, pairs_done: list[int]) -> int:
         max_grad_norm=PAIRS["max_grad_norm"],
         max_length=None,
         disable_dropout=True,
-        # TRL's configs default to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        seed=0,
+        **TRL_COMMON,
     )
     if args.algo == "rm":
         trainer_class, path = RewardTrainer, folder / "reward"
@@ -161,14 +153,9 @@ def run_trl(args, clock: StepClock, pairs_done: list[int]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--algo", choices=["rm", "dpo"], required=True)
-    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
-    parser.add_argument("--assets", required=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     set_threads(args.threads)
     import torch

@@ -17,7 +17,6 @@ rollouts are reported but excluded from the driver's statistics. Settings: commo
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PPO,
+    TRL_COMMON,
     Timeline,
+    bench_parser,
     default_optimizer,
     emit,
     footprint,
@@ -217,15 +218,8 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
             lam=S["gae_lambda"],
             total_episodes=S["batch"] * args.rollouts,
             num_sample_generations=0,
-            # PPOConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
-            bf16=False,
-            gradient_checkpointing=False,
-            use_cpu=True,
-            report_to="none",
-            disable_tqdm=True,
-            save_strategy="no",
             logging_steps=1,
-            seed=0,
+            **TRL_COMMON,
         )
         trainer = PPOTrainer(
             args=config,
@@ -243,14 +237,9 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
-    parser.add_argument("--assets", required=True)
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=["small", "large"], default="small")
     parser.add_argument("--rollouts", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--count-flops", action="store_true")
     parser.add_argument("--profile", help="write a torch.profiler op table of the last rollout to this file")
     parser.add_argument("--workload", choices=["control", "W3_ppo"], default="control")

@@ -11,7 +11,6 @@ without weight decay, gradient-norm clipping at 1.0, no gradient checkpointing, 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     RM,
+    TRL_COMMON,
     StepClock,
+    bench_parser,
     default_optimizer,
     emit,
     footprint,
@@ -107,14 +108,7 @@ def run_trl(args, clock: StepClock) -> None:
             weight_decay=0.0,
             max_grad_norm=RM["max_grad_norm"],
             max_length=None,
-            # RewardConfig defaults to bf16 autocast and gradient checkpointing; lit_rlhf runs neither here.
-            bf16=False,
-            gradient_checkpointing=False,
-            use_cpu=True,
-            report_to="none",
-            disable_tqdm=True,
-            save_strategy="no",
-            seed=0,
+            **TRL_COMMON,
         )
         trainer = RewardTrainer(
             model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
@@ -123,14 +117,9 @@ def run_trl(args, clock: StepClock) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--impl", choices=["lit", "trl"], required=True)
-    parser.add_argument("--assets", required=True)
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=80, help="timed optimiser steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed optimiser steps before them")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     set_threads(args.threads)
     import torch
