@@ -165,7 +165,9 @@ def generation_kwargs(
     elif resolve_sampler(settings.sampler, input_ids.device) == "inverse_cdf":
         # drawn by the last logits processor, after generate's own ones (the suppressed pad, ...)
         sampler = InverseCDFSampler(settings.temperature, settings.top_k, settings.top_p)
-        sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None, logits_processor=LogitsProcessorList([sampler]))
+        sampling = dict(
+            do_sample=False, temperature=None, top_k=None, top_p=None, logits_processor=LogitsProcessorList([sampler])
+        )
     else:
         sampling = dict(
             do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None, top_p=settings.top_p
