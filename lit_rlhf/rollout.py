@@ -10,10 +10,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
 from lit_rlhf.batching import trim_prompt_response
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.prefill import is_grouped, prefill_groups
+from lit_rlhf.models.sampling import SAMPLERS, InverseCDFSampler, resolve_sampler
 
 GROUP_PREFILL_CHOICES = ("auto", "always", "never")
 # "auto" shares the prefill from this padded prompt width on (measured with scripts/bench/prefill_bench.py)
@@ -41,6 +43,13 @@ class GenerationSettings:
             responses are those of the unshared generation (same logits up to float rounding, same random
             draws). Multi-rank runs (``synced_gpus``) and models whose KV cache is not a plain
             ``DynamicCache`` always generate unshared.
+        sampler: how a token is drawn from the warped distribution (``lit_rlhf.models.sampling``):
+            ``"inverse_cdf"`` one uniform per row, the first token whose cumulative probability reaches it
+            (``InverseCDFSampler`` as the last logits processor of a greedy ``generate``); ``"multinomial"``
+            ``generate``'s own ``torch.multinomial`` (one exponential variate per vocabulary entry on CPU);
+            ``"auto"`` (default) inverse CDF on CPU, where it is faster (~5 ms less per decoding step of 8
+            rows x 32,000 tokens), multinomial on other devices. Both draw from the same distribution; the
+            random draws, hence the tokens under a seed, differ.
     """
 
     max_new_tokens: int = 32
@@ -51,6 +60,7 @@ class GenerationSettings:
     stop_strings: list[str] = field(default_factory=list)
     num_samples: int = 1
     group_prefill: str = "auto"
+    sampler: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -67,6 +77,8 @@ class GenerationSettings:
             raise ValueError(
                 f"generation.group_prefill must be one of {list(GROUP_PREFILL_CHOICES)}, got {self.group_prefill!r}"
             )
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"generation.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
 
     def shares_prefill(self, group_size: int, prompt_length: int, synced_gpus: bool = False) -> bool:
         """Whether rows in groups of ``group_size`` prompt copies of padded width ``prompt_length`` are
@@ -143,13 +155,22 @@ def generation_kwargs(
     Position ids are given explicitly, computed from the mask as the scoring forwards do: some models
     (GPT-2) otherwise generate left-padded rows at shifted positions, so the sampling distribution
     would differ from the one ``old_logprobs`` are computed under. ``greedy`` decodes by argmax (an
-    evaluation setting; the sampling fields of ``settings`` are then not passed).
+    evaluation setting; the sampling fields of ``settings`` are then not passed). Sampling by inverse CDF
+    (``settings.sampler``) also runs a greedy ``generate``, whose argmax takes the token drawn by the
+    ``InverseCDFSampler`` in ``logits_processor``.
     """
-    sampling = (
-        dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-        if greedy
-        else dict(do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None, top_p=settings.top_p)
-    )
+    if greedy:
+        sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    elif resolve_sampler(settings.sampler, input_ids.device) == "inverse_cdf":
+        # drawn by the last logits processor, after generate's own ones (the suppressed pad, ...)
+        sampler = InverseCDFSampler(settings.temperature, settings.top_k, settings.top_p)
+        sampling = dict(
+            do_sample=False, temperature=None, top_k=None, top_p=None, logits_processor=LogitsProcessorList([sampler])
+        )
+    else:
+        sampling = dict(
+            do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None, top_p=settings.top_p
+        )
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -225,7 +225,9 @@ def test_ppo_update_is_the_same_with_bucketing(tokenizer_dir, tmp_path, config):
     def build(bucketing):
         return tiny_ppo(
             tokenizer_dir, config, cls=Recording, bucketing=bucketing, critic_optimizer=sgd, ent_coef=0.01,
-            generation={"max_new_tokens": 10, "stop_token_ids": STOPS},
+            # multinomial: the inverse-CDF rollout of this seed has a near-constant return, whose explained
+            # variance (a ratio of small variances) differs by 3.6e-7 between the bucketed and padded runs
+            generation={"max_new_tokens": 10, "stop_token_ids": STOPS, "sampler": "multinomial"},
             **_online_kwargs(),
         )  # fmt: skip
 

@@ -2,7 +2,8 @@
 
 Every comparison runs the same seeded generation twice, ``group_prefill="never"`` vs ``"always"``, on
 left-padded prompts of different lengths in groups of K = 3 copies, and asserts that the shared path was
-really taken (the model saw one (G, P-1) prefill and never the (G*K, P) prompts).
+really taken (the model saw one (G, P-1) prefill and never the (G*K, P) prompts). The other tests sample
+with the default sampler ("auto": inverse CDF on CPU, ``lit_rlhf.models.sampling``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def _assert_same(unshared, shared, rngs) -> None:
 
 
 @pytest.mark.parametrize("config", [gpt2_config(), llama_config()], ids=["gpt2", "llama"])
-@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
-def test_shared_prefill_generates_the_unshared_responses(tokenizer_dir, config, greedy):
+@pytest.mark.parametrize(
+    "greedy, sampler",
+    [(False, "inverse_cdf"), (False, "multinomial"), (True, "inverse_cdf")],
+    ids=["inverse_cdf", "multinomial", "greedy"],
+)
+def test_shared_prefill_generates_the_unshared_responses(tokenizer_dir, config, greedy, sampler):
     tok, model = _model(tokenizer_dir, config)
     ids, mask = _prompts(tok)
-    settings = GenerationSettings(max_new_tokens=12, temperature=0.9, num_samples=K)
+    settings = GenerationSettings(max_new_tokens=12, temperature=0.9, num_samples=K, sampler=sampler)
     unshared, shared, rngs = _generate_both(model, tok, ids, mask, settings, greedy)
     _assert_same(unshared, shared, rngs)
     responses, response_mask, truncated = shared
