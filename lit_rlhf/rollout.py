@@ -14,6 +14,7 @@ from transformers import LogitsProcessorList
 
 from lit_rlhf.batching import trim_prompt_response
 from lit_rlhf.models import position_ids_from_mask
+from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
 from lit_rlhf.models.prefill import is_grouped, prefill_groups
 from lit_rlhf.models.sampling import SAMPLERS, InverseCDFSampler, resolve_sampler
 
@@ -47,9 +48,14 @@ class GenerationSettings:
             ``"inverse_cdf"`` one uniform per row, the first token whose cumulative probability reaches it
             (``InverseCDFSampler`` as the last logits processor of a greedy ``generate``); ``"multinomial"``
             ``generate``'s own ``torch.multinomial`` (one exponential variate per vocabulary entry on CPU);
-            ``"auto"`` (default) inverse CDF on CPU, where it is faster (~5 ms less per decoding step of 8
-            rows x 32,000 tokens), multinomial on other devices. Both draw from the same distribution; the
+            ``"auto"`` (default) inverse CDF on CPU for vocabularies of at least ``INVERSE_CDF_MIN_VOCAB``
+            (8,192) entries, where it is faster (~5 ms less per decoding step of 8 rows x 32,000 tokens),
+            multinomial below that and on other devices. Both draw from the same distribution; the
             random draws, hence the tokens under a seed, differ.
+        transposed_head: during generation on CPU, multiply by a (H, V) copy of the LM head's weight made
+            once per call (``lit_rlhf.models.decoding``: BLAS otherwise repacks the (V, H) weight every
+            decoding step, as long as the product itself); only for plain heads of at least 2**20
+            weights. Same products, logits equal to float rounding. False leaves the head alone.
     """
 
     max_new_tokens: int = 32
@@ -61,6 +67,7 @@ class GenerationSettings:
     num_samples: int = 1
     group_prefill: str = "auto"
     sampler: str = "auto"
+    transposed_head: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -149,6 +156,7 @@ def generation_kwargs(
     tokenizer: object | None = None,
     synced_gpus: bool = False,
     greedy: bool = False,
+    vocab_size: int | None = None,
 ) -> dict:
     """Keyword arguments of ``model.generate`` for one rollout (see :func:`generate_responses`).
 
@@ -157,11 +165,11 @@ def generation_kwargs(
     would differ from the one ``old_logprobs`` are computed under. ``greedy`` decodes by argmax (an
     evaluation setting; the sampling fields of ``settings`` are then not passed). Sampling by inverse CDF
     (``settings.sampler``) also runs a greedy ``generate``, whose argmax takes the token drawn by the
-    ``InverseCDFSampler`` in ``logits_processor``.
+    ``InverseCDFSampler`` in ``logits_processor`` (``vocab_size``: the model's, for the ``"auto"`` sampler).
     """
     if greedy:
         sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-    elif resolve_sampler(settings.sampler, input_ids.device) == "inverse_cdf":
+    elif resolve_sampler(settings.sampler, input_ids.device, vocab_size) == "inverse_cdf":
         # drawn by the last logits processor, after generate's own ones (the suppressed pad, ...)
         sampler = InverseCDFSampler(settings.temperature, settings.top_k, settings.top_p)
         sampling = dict(
@@ -224,8 +232,9 @@ def generate_responses(
     """
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     kwargs = generation_kwargs(
-        input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy
-    )
+        input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy,
+        vocab_size=output_vocab_size(model),
+    )  # fmt: skip
     if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
         if not is_grouped(input_ids, attention_mask, group_size):
             raise ValueError(
@@ -235,7 +244,8 @@ def generate_responses(
         cache = prefill_groups(model, input_ids, attention_mask, group_size)
         if cache is not None:
             kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
-    out = model.generate(**kwargs)
+    with transposed_lm_head(model, enabled=settings.transposed_head):
+        out = model.generate(**kwargs)
     responses = out[:, input_ids.shape[1] :]
     response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
     lengths = response_mask.sum(dim=1)

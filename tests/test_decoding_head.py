@@ -59,3 +59,21 @@ def test_restored_after_an_error(tokenizer_dir):
     with pytest.raises(RuntimeError, match="boom"), transposed_lm_head(model):
         raise RuntimeError("boom")
     assert "forward" not in model.get_output_embeddings().__dict__
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+def test_generate_responses_with_and_without_the_transposed_head(tokenizer_dir, sampler):
+    from lit_rlhf.rollout import GenerationSettings, generate_responses
+
+    model = _model(tokenizer_dir, llama_config(), vocab=_wide(llama_config()))
+    ids = torch.randint(5, 100, (4, 7))
+    out = {}
+    for transposed in (True, False):
+        settings = GenerationSettings(max_new_tokens=8, sampler=sampler, transposed_head=transposed)
+        torch.manual_seed(5)
+        out[transposed] = generate_responses(
+            model, ids, torch.ones_like(ids), settings, eos_token_id=2, pad_token_id=0
+        )
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    assert "forward" not in model.get_output_embeddings().__dict__

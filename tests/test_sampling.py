@@ -18,7 +18,12 @@ import torch
 from conftest import llama_config
 
 from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
-from lit_rlhf.models.sampling import InverseCDFSampler, inverse_cdf_sample, resolve_sampler
+from lit_rlhf.models.sampling import (
+    INVERSE_CDF_MIN_VOCAB,
+    InverseCDFSampler,
+    inverse_cdf_sample,
+    resolve_sampler,
+)
 from lit_rlhf.rollout import GenerationSettings, generate_responses, generation_kwargs
 
 INF = float("inf")
@@ -97,6 +102,9 @@ def test_rows_are_independent():
 def test_settings_and_resolution():
     assert GenerationSettings().sampler == "auto"
     assert resolve_sampler("auto", torch.device("cpu")) == "inverse_cdf"
+    assert resolve_sampler("auto", torch.device("cpu"), vocab_size=INVERSE_CDF_MIN_VOCAB) == "inverse_cdf"
+    assert resolve_sampler("auto", torch.device("cpu"), vocab_size=INVERSE_CDF_MIN_VOCAB - 1) == "multinomial"
+    assert resolve_sampler("inverse_cdf", torch.device("cpu"), vocab_size=10) == "inverse_cdf"
     assert resolve_sampler("auto", torch.device("cuda")) == "multinomial"
     assert resolve_sampler("multinomial", torch.device("cpu")) == "multinomial"
     assert GenerationSettings.coerce({"sampler": "multinomial"}).sampler == "multinomial"

@@ -24,10 +24,18 @@ from torch import nn
 
 from lit_rlhf.models.lm_head import _sharded
 
-__all__ = ["TRANSPOSED_HEAD_MIN_ELEMENTS", "transposed_lm_head"]
+__all__ = ["TRANSPOSED_HEAD_MIN_ELEMENTS", "output_vocab_size", "transposed_lm_head"]
 
 # Below 2**20 weight elements (4 MiB of float32) the per-call copy is cheap and stays in cache.
 TRANSPOSED_HEAD_MIN_ELEMENTS = 1 << 20
+
+
+def output_vocab_size(model: nn.Module) -> int | None:
+    """V, the rows of ``model``'s output embedding (None if it has none)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def _plain_head(model: nn.Module) -> nn.Linear | None:
