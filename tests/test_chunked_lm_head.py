@@ -1,6 +1,7 @@
 """The chunked LM head (lit_rlhf.models.lm_head) equals the full-logits path: log-probs, entropy, argmax
-and the gradients of every parameter, for a tied GPT-2, an untied Llama and a LoRA model; it falls back
-where it is not exact, and never keeps (tokens x vocabulary) logits for the backward."""
+and the gradients of every parameter, for a tied GPT-2, an untied Llama and a LoRA model, in the padded
+and the shared-prompt layout; it falls back where it is not exact, "auto" chooses by gradient mode, and
+it never keeps (tokens x vocabulary) logits for the backward nor creates them without gradients."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_rlhf.models import (
     LOGITS_CHUNKING_THRESHOLD,
+    NO_GRAD_CHUNKING_VOCAB,
     ModelSpec,
     ValueHead,
     build_causal_lm,
@@ -19,12 +21,16 @@ from lit_rlhf.models import (
     head_token_scores,
     load_tokenizer,
     next_token_logprobs,
+    packed_policy_forward,
+    packed_response_logprobs,
     policy_forward,
     reference_logits_context,
     response_logprobs,
     set_logits_chunking,
+    shared_prefix_layout,
 )
 from lit_rlhf.models import lm_head as lm_head_module
+from lit_rlhf.models.lm_head import auto_chunks
 from lit_rlhf.models.scoring import _forward_kwargs
 
 VOCAB = 300
@@ -35,6 +41,7 @@ B, P, T = 3, 6, 7
 def small_chunks(monkeypatch):
     """5 tokens per chunk, so every test runs several chunks (and a ragged last one)."""
     monkeypatch.setattr(lm_head_module, "_CHUNK_ELEMENTS", 5 * VOCAB)
+    monkeypatch.setattr(lm_head_module, "_NO_GRAD_CHUNK_ELEMENTS", 5 * VOCAB)
 
 
 def _model(kind: str, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> torch.nn.Module:
@@ -321,3 +328,133 @@ def test_sft_step_equal_with_and_without_chunking(tokenizer_dir):
     torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-6)
     assert torch.equal(chunked[1], plain[1]) and torch.equal(chunked[2], plain[2])
     _assert_grads_equal(plain_grads, chunked_grads)
+
+
+# -- the shared-prompt layout (models/shared_prefix.py) with the chunked head --------------------------
+K = 3  # responses per prompt
+
+
+def _group_rows(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(2K, P+T) rows: two prompts (4 and 6 real tokens, left-padded) with K EOS-stopped responses of
+    1-7 tokens each, right-padded; returns ids, attention mask and the (2K, P+T) response mask."""
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (2 * K, P + T), generator=gen)
+    ids[1:K, :P], ids[K + 1 :, :P] = ids[0, :P], ids[K, :P]
+    mask = torch.ones(2 * K, P + T, dtype=torch.long)
+    mask[:K, : P - 4] = 0
+    for row, length in enumerate([7, 3, 1, 5, 7, 2]):
+        mask[row, P + length :] = 0
+    response_mask = mask.clone()
+    response_mask[:, :P] = 0
+    return ids, mask, response_mask
+
+
+def _packed(model: torch.nn.Module, ids, mask, response_mask):
+    layout = shared_prefix_layout(model, "on", ids, mask * (1 - response_mask), response_mask, 0, 0, response_width=T)
+    assert layout.input_ids.shape[0] == 2  # one row per prompt
+    return layout
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_chunked_equals_padded_plain(kind, attn, lora):
+    """Log-probs, entropy (with and without its graph) and gradients of the packed rows with the chunked
+    head equal the padded layout's full-logits path; summed response log-probs (DPO's) too."""
+    model = _model(kind)
+    model.config._attn_implementation = attn
+    if lora:
+        model = _lora(model)
+    ids, mask, response_mask = _group_rows()
+    real = response_mask[:, P:].bool()  # (2K, T)
+    layout = _packed(model, ids, mask, response_mask)
+    for entropy_grad in (True, False):
+        outputs = []
+        for packed, mode in ((False, "off"), (True, "on")):
+            set_logits_chunking(model, mode)
+            model.zero_grad(set_to_none=True)
+            if packed:
+                logprobs, entropy = packed_policy_forward(model, layout, 0.7, entropy_grad)
+                summed, n_tokens = packed_response_logprobs(model, layout)
+            else:
+                logprobs, entropy, _ = policy_forward(model, ids, mask, T, 0.7, entropy_grad=entropy_grad)
+                summed, n_tokens = response_logprobs(model, ids, mask, response_mask)
+            assert entropy.requires_grad == entropy_grad
+            loss = (logprobs * real).sum() - (0.1 * entropy * real).sum() + (summed * torch.arange(6.0)).sum()
+            loss.backward()
+            outputs.append(((logprobs[real], entropy[real], summed, n_tokens), _grads(model)))
+        (plain, plain_grads), (chunked, chunked_grads) = outputs
+        for got, want in zip(chunked, plain):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        _assert_grads_equal(plain_grads, chunked_grads)
+
+
+def _largest_created(fn) -> int:
+    """Elements of the largest tensor any operation of ``fn`` creates (outputs that alias an input, such
+    as a transposed weight, excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                    Largest.largest = max(Largest.largest, tensor.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.largest
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_packed_path_keeps_and_creates_no_logits_of_all_tokens(kind):
+    """With the chunked head the packed forward saves no (N, T, V) logits for the backward, and without
+    gradients no operation creates a tensor of that size (the check can fail: the plain path does both)."""
+    vocab = 10 * VOCAB  # logits well above the model's own activations
+    model = _model(kind, vocab=vocab)
+    ids, mask, response_mask = _group_rows(vocab)
+    layout = _packed(model, ids, mask, response_mask)
+    n_logits = 2 * K * T * vocab  # (N, T, V)
+
+    def forward():
+        return packed_policy_forward(model, layout, temperature=0.7)[0].sum()
+
+    for mode in ("off", "on"):
+        set_logits_chunking(model, mode)
+        saved = _largest_saved_activation(model, forward)
+        with torch.no_grad():
+            created = _largest_created(forward)
+        if mode == "off":
+            assert saved >= n_logits and created >= n_logits
+        else:
+            assert saved < n_logits / 4 and created < n_logits / 4
+
+
+def test_auto_chunks_by_gradient_mode():
+    """"auto": with gradients by the size of the logits; without, by the vocabulary alone (no recomputation)."""
+    assert auto_chunks(1, NO_GRAD_CHUNKING_VOCAB, grad=False)
+    assert not auto_chunks(10**9, NO_GRAD_CHUNKING_VOCAB - 1, grad=False)
+    assert not auto_chunks(1, NO_GRAD_CHUNKING_VOCAB, grad=True)
+    assert auto_chunks(LOGITS_CHUNKING_THRESHOLD // 32000 + 1, 32000, grad=True)
+    assert not auto_chunks(LOGITS_CHUNKING_THRESHOLD // 32000, 32000, grad=True)
+    big = _model("llama", vocab=NO_GRAD_CHUNKING_VOCAB)
+    demo = _model("llama", vocab=640)  # the demo's vocabulary stays on the plain path
+    assert chunkable_head(big, 1) is None and chunkable_head(demo, 1) is None
+    with torch.no_grad():
+        assert chunkable_head(big, 1) is big.lm_head
+        assert chunkable_head(demo, 10**6) is None
+        assert chunkable_head(big, 1, mode="off") is None
+    # through policy_forward: the head sees zero positions of the model's forward, then chunks of tokens
+    ids, mask = _rollout_batch()
+    seen = []
+    handle = big.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        policy_forward(big, ids, mask, T, temperature=1.0)
+    policy_forward(big, ids, mask, T, temperature=1.0)
+    handle.remove()
+    assert seen[0] == (B, 0, 32) and seen[-1] == (B, T + 1, 32)

@@ -408,3 +408,21 @@ def test_cli_can_read_the_signatures():
     with pytest.raises(SystemExit):
         parser.parse_args(["--data.tokenizer=t", "--data.train_path=x.jsonl", "--data.length_policy=cut"])
     assert "prompt + response" in parser.format_help()  # the one-line docs reach --help
+
+
+def test_training_modules_import_datasets_only_when_a_source_is_read(tokenizer_dir, tmp_path):
+    """``datasets`` (with pyarrow and pandas, ~100 MB resident) is imported by ``load_source``, not by
+    ``import lit_rlhf.modules`` (the modules use the data package's batch contract only)."""
+    import subprocess
+    import sys
+
+    path = write_rows([{"prompt": "the food was"}], tmp_path, "jsonl")
+    code = (
+        "import sys, lit_rlhf.modules, lit_rlhf.data\n"
+        "from lit_rlhf.data.base import resolve_seed\n"
+        "print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))\n"
+        "from lit_rlhf.data import load_source\n"
+        f"print(len(load_source({path!r})), 'datasets' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "1 True"]

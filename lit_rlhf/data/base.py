@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from datasets import Dataset
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
@@ -25,6 +24,9 @@ from lit_rlhf.data.render import clip_lengths, render, tokenize_rendered
 from lit_rlhf.data.sampler import ResumableSampler
 from lit_rlhf.data.sources import FILE_ROW_COLUMN, carve_validation, check_text_file, load_source
 from lit_rlhf.models.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from datasets import Dataset  # imported by ``load_source`` when a source is read
 
 LengthPolicy = Literal["truncate", "drop"]
 # parse(row, fmt, ref) -> (prompt, responses in slot order, extra scalar columns such as margin)

@@ -1,13 +1,19 @@
-"""Loading a data source with ``datasets`` and carving a validation split from it."""
+"""Loading a data source with ``datasets`` and carving a validation split from it.
+
+``datasets`` (with pyarrow and pandas, ~100 MB of resident memory) is imported when a source is loaded,
+not with this module: the training modules import the data package for its batch contract only.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-
-from datasets import Dataset, DatasetDict, ReadInstruction, load_dataset, load_from_disk
+from typing import TYPE_CHECKING
 
 from lit_rlhf.data.formats import DataFormatError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 # Local file types, by extension, and the ``datasets`` builder that reads them.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -54,6 +60,8 @@ def check_text_file(path: str) -> None:
 def _select_slice(dataset: Dataset, split: str, path: str) -> Dataset:
     """Apply a ``datasets`` slice such as ``train[10:]`` to a local file's one split, recording each
     row's number in the file (``FILE_ROW_COLUMN``) so that errors point at the file, not the slice."""
+    from datasets import ReadInstruction
+
     try:
         parts = ReadInstruction.from_spec(split).to_absolute({"train": len(dataset)})
     except (ValueError, AssertionError) as err:
@@ -73,6 +81,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
     rows); otherwise a hub dataset name or a folder of data files
     (``load_dataset(path, split=split)``). Any failure is a :class:`DataFormatError` naming ``path``.
     """
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
     ext = os.path.splitext(path)[1].lower()
     try:
         if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, m)) for m in SAVED_DATASET_MARKERS):

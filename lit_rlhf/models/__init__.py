@@ -3,6 +3,7 @@
 from lit_rlhf.models.forwards import chunked, critic_values, policy_forward, reward_model_scores
 from lit_rlhf.models.lm_head import (
     LOGITS_CHUNKING_THRESHOLD,
+    NO_GRAD_CHUNKING_VOCAB,
     chunkable_head,
     final_hidden_states,
     head_token_scores,
@@ -49,6 +50,7 @@ from lit_rlhf.models.tokenizer import (
 
 __all__ = [
     "LOGITS_CHUNKING_THRESHOLD",
+    "NO_GRAD_CHUNKING_VOCAB",
     "SHARED_PREFIX_MODES",
     "SIMPLE_CHAT_TEMPLATE",
     "ModelSpec",

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits, masked_sum
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_token_scores
 from lit_rlhf.models.scoring import token_values
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "packed_policy_forward",
     "packed_response_logprobs",
     "packed_sequence_scores",
+    "packed_token_scores",
     "pair_layout",
     "shared_prefix_layout",
     "unsupported_reason",
@@ -305,25 +307,47 @@ def pair_layout(
     )  # fmt: skip
 
 
-def packed_logits(model: nn.Module, layout: SharedPrefixLayout) -> torch.Tensor:
-    """(G, logits_to_keep, V) logits of the packed rows' last ``logits_to_keep`` positions."""
-    return model(**layout.forward_kwargs(), logits_to_keep=layout.logits_to_keep).logits
+def packed_token_scores(
+    model: nn.Module,
+    layout: SharedPrefixLayout,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, T) float32 log-probs of the response labels (and entropy when asked for) of the packed rows.
+
+    With the chunked LM head (``lm_head.chunkable_head``; the plain path would hold the (G, kept, V)
+    logits and their (N, T, V) gather) the (G, kept, H) final hidden states are gathered to (N, T, H) and
+    the head is applied a chunk of tokens at a time: no (N, T, V) tensor exists. Else the plain path.
+    """
+    N, T = layout.labels.shape
+    G, kept = layout.input_ids.shape[0], layout.logits_to_keep
+    head = chunkable_head(model, G * kept + N * T)
+    if head is not None:
+        hidden = final_hidden_states(model, head, layout.forward_kwargs(), kept)  # (G, kept, H)
+        hidden = layout.gather(hidden, layout.predict_index)  # (N, T, H)
+        scores = head_token_scores(
+            head, hidden.reshape(N * T, -1), layout.labels.reshape(-1), temperature, entropy, entropy_grad
+        )  # (N*T,)
+        return scores.logprobs.view(N, T), None if scores.entropy is None else scores.entropy.view(N, T)
+    logits = model(**layout.forward_kwargs(), logits_to_keep=kept).logits  # (G, kept, V)
+    logits = layout.gather(logits, layout.predict_index)  # (N, T, V)
+    logprobs = logprobs_from_logits(logits, layout.labels, temperature=temperature)  # (N, T)
+    if not entropy:
+        return logprobs, None
+    return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
 
 
 def packed_policy_forward(
     model: nn.Module, layout: SharedPrefixLayout, temperature: float, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``policy_forward``'s log-probs and entropy (N, T) float32 of the packed rows (no value head)."""
-    logits = layout.gather(packed_logits(model, layout), layout.predict_index)  # (N, T, V)
-    logprobs = logprobs_from_logits(logits, layout.labels, temperature=temperature)  # (N, T)
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
-    return logprobs, entropy
+    return packed_token_scores(model, layout, temperature, entropy=True, entropy_grad=entropy_grad)
 
 
 def packed_response_logprobs(model: nn.Module, layout: SharedPrefixLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_logprobs`` of the packed rows: (N,) float32 summed log-probs and (N,) long lengths."""
-    logits = layout.gather(packed_logits(model, layout), layout.predict_index)  # (N, T, V)
-    token_logps = logprobs_from_logits(logits, layout.labels)  # (N, T)
+    token_logps, _ = packed_token_scores(model, layout)  # (N, T)
     return masked_sum(token_logps, layout.response_mask, dim=1), layout.response_mask.sum(1)
 
 

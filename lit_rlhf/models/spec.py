@@ -37,8 +37,9 @@ class ModelSpec:
         logits_chunking: how a causal LM's log-probs, entropy and SFT accuracy are computed: ``on``
             applies the LM head to chunks of tokens from the final hidden states, recomputed in backward,
             so the (tokens x vocabulary) logits never exist at once; ``off`` computes the full logits;
-            ``auto`` chunks when they would hold >= 2**25 elements (e.g. 8 x 512 tokens at a 32k
-            vocabulary). Equal results either way; architectures or FSDP sharding where chunking is not
+            ``auto`` chunks when they would hold >= 2**24 elements (e.g. 8 x 66 tokens at a 32k
+            vocabulary) and, without gradients (rollout scoring, reference log-probs), whenever the
+            vocabulary has >= 8192 tokens. Equal results either way; architectures or FSDP sharding where chunking is not
             exact (logit softcapping, a sharded head) always take the full-logits path.
     """
 
