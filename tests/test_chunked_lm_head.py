@@ -110,17 +110,20 @@ def test_policy_forward_equals_full_logits(kind, lora, dtype):
     value_head = ValueHead(model.config.hidden_size).to(dtype)
     torch.nn.init.normal_(value_head.linear.weight)
     ids, mask = _rollout_batch()
+    real = mask[:, -T:].bool()  # the head route scores real response tokens only (padding reads 0)
 
     def step():
         value_head.zero_grad(set_to_none=True)
         logprobs, entropy, values = policy_forward(model, ids, mask, T, temperature=0.7, value_head=value_head)
-        (logprobs.sum() - 0.1 * entropy.sum() + values.square().sum()).backward()
+        ((logprobs * real).sum() - 0.1 * (entropy * real).sum() + values.square().sum()).backward()
         return (logprobs, entropy, values), _grads(model, value_head)
 
     (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
     for got, want in zip(chunked, plain):
         assert got.shape == want.shape == (B, T) and got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-13)
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-13)
+    for padded in chunked[:2]:
+        assert not padded[~real].any()
     _assert_grads_equal(plain_grads, chunked_grads)
     if kind == "gpt2" and not lora:  # the tied embedding/head received both gradients
         assert model.lm_head.weight is model.transformer.wte.weight
@@ -131,15 +134,17 @@ def test_policy_forward_entropy_without_graph(kind):
     model = _model(kind)
     ids, mask = _rollout_batch()
 
+    real = mask[:, -T:].bool()
+
     def step():
         logprobs, entropy, _ = policy_forward(model, ids, mask, T, temperature=1.3, entropy_grad=False)
         assert not entropy.requires_grad
-        logprobs.sum().backward()
+        (logprobs * real).sum().backward()
         return (logprobs, entropy), _grads(model)
 
     (plain, plain_grads), (chunked, chunked_grads) = _run_both(model, step)
     for got, want in zip(chunked, plain):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-6)
     _assert_grads_equal(plain_grads, chunked_grads)
 
 
@@ -435,26 +440,32 @@ def test_packed_path_keeps_and_creates_no_logits_of_all_tokens(kind):
             assert saved < n_logits / 4 and created < n_logits / 4
 
 
-def test_auto_chunks_by_gradient_mode():
-    """"auto": with gradients by the size of the logits; without, by the vocabulary alone (no recomputation)."""
+def test_auto_chunks_by_vocabulary_and_gradient_mode():
+    """"auto": a vocabulary of >= NO_GRAD_CHUNKING_VOCAB always takes the head route (the head on the scored
+    tokens only); a smaller one with gradients by the size of the logits, without gradients never. With
+    gradients the route splits into recomputed chunks only from LOGITS_CHUNKING_THRESHOLD logits on."""
     assert auto_chunks(1, NO_GRAD_CHUNKING_VOCAB, grad=False)
+    assert auto_chunks(1, NO_GRAD_CHUNKING_VOCAB, grad=True)
     assert not auto_chunks(10**9, NO_GRAD_CHUNKING_VOCAB - 1, grad=False)
-    assert not auto_chunks(1, NO_GRAD_CHUNKING_VOCAB, grad=True)
-    assert auto_chunks(LOGITS_CHUNKING_THRESHOLD // 32000 + 1, 32000, grad=True)
-    assert not auto_chunks(LOGITS_CHUNKING_THRESHOLD // 32000, 32000, grad=True)
+    assert auto_chunks(LOGITS_CHUNKING_THRESHOLD // 640 + 1, 640, grad=True)
+    assert not auto_chunks(LOGITS_CHUNKING_THRESHOLD // 640, 640, grad=True)
     big = _model("llama", vocab=NO_GRAD_CHUNKING_VOCAB)
     demo = _model("llama", vocab=640)  # the demo's vocabulary stays on the plain path
-    assert chunkable_head(big, 1) is None and chunkable_head(demo, 1) is None
+    assert chunkable_head(big, 1) is big.lm_head and chunkable_head(demo, 1) is None
     with torch.no_grad():
         assert chunkable_head(big, 1) is big.lm_head
         assert chunkable_head(demo, 10**6) is None
         assert chunkable_head(big, 1, mode="off") is None
-    # through policy_forward: the head sees zero positions of the model's forward, then chunks of tokens
+    # through policy_forward: the head sees zero positions of the model's forward, then the real response
+    # tokens: in chunks without gradients, at once (nothing recomputed) with gradients below the threshold
     ids, mask = _rollout_batch()
+    n_real = int(mask[:, -T:].sum())
     seen = []
     handle = big.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
     with torch.no_grad():
         policy_forward(big, ids, mask, T, temperature=1.0)
+    assert seen[0] == (B, 0, 32) and seen[1:] == [(1, 32)] * n_real  # the fixture's chunks: 1 token at V = 8192
+    seen.clear()
     policy_forward(big, ids, mask, T, temperature=1.0)
     handle.remove()
-    assert seen[0] == (B, 0, 32) and seen[-1] == (B, T + 1, 32)
+    assert seen == [(B, 0, 32), (n_real, 32)]

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits
-from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_token_scores
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
 from lit_rlhf.models.scoring import (
     _forward_kwargs,
     causal_lm_logits_and_hidden,
@@ -19,7 +19,7 @@ from lit_rlhf.models.scoring import (
     token_values,
 )
 
-__all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores"]
+__all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores", "scatter_tokens"]
 
 
 def policy_forward(
@@ -73,21 +73,25 @@ def _chunked_policy_forward(
     value_head: torch.nn.Module | None,
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`policy_forward` with the LM head applied in chunks (``lit_rlhf.models.lm_head``)."""
-    batch, T = input_ids.shape[0], response_length
+    """:func:`policy_forward` through the LM head route (``lit_rlhf.models.lm_head``): the head runs on
+    the real response tokens only (mask 1 in ``attention_mask``'s last T columns); padded positions of
+    the (B, T) log-probs and entropy read 0."""
+    T = response_length
     kwargs = _forward_kwargs(input_ids, attention_mask)
     hidden = final_hidden_states(actor, head, kwargs, logits_to_keep=T + 1)[:, :-1]  # (B, T, H)
     labels = input_ids[:, -T:] if T else input_ids[:, :0]  # (B, T)
+    real = attention_mask[:, attention_mask.shape[1] - T :].bool()  # (B, T)
     scores = head_token_scores(
-        head,
-        hidden.reshape(batch * T, -1),
-        labels.reshape(-1),
-        temperature,
-        entropy=True,
-        entropy_grad=entropy_grad,
-    )  # (B*T,)
+        head, hidden[real], labels[real], temperature, entropy=True, entropy_grad=entropy_grad,
+        force_chunks=forced_chunks(actor),
+    )  # (N,) each, N real tokens
     values = None if value_head is None else value_head(hidden)  # (B, T)
-    return scores.logprobs.view(batch, T), scores.entropy.view(batch, T), values
+    return scatter_tokens(scores.logprobs, real), scatter_tokens(scores.entropy, real), values
+
+
+def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) values of the True positions of a (B, T) ``mask`` -> (B, T), 0 elsewhere (differentiable)."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def critic_values(

@@ -39,6 +39,7 @@ __all__ = [
     "auto_chunks",
     "chunkable_head",
     "final_hidden_states",
+    "forced_chunks",
     "head_token_scores",
     "set_logits_chunking",
 ]
@@ -125,13 +126,18 @@ def chunkable_head(model: nn.Module, n_tokens: int, mode: LogitsChunking | None 
 
 
 def auto_chunks(n_tokens: int, vocab: int, grad: bool | None = None) -> bool:
-    """The ``"auto"`` rule: with gradients (``grad``, default ``torch.is_grad_enabled()``) chunk when the
-    (n_tokens, vocab) logits hold at least ``LOGITS_CHUNKING_THRESHOLD`` elements (each chunk's head is
-    recomputed in backward); without, whenever ``vocab >= NO_GRAD_CHUNKING_VOCAB`` (no recomputation)."""
+    """The ``"auto"`` rule of the head route: a vocabulary of at least ``NO_GRAD_CHUNKING_VOCAB`` tokens
+    always takes it (the logits are then the largest tensors, and the head runs on the scored tokens
+    only), a smaller one with gradients (``grad``, default ``torch.is_grad_enabled()``) when the
+    (n_tokens, vocab) logits hold at least ``LOGITS_CHUNKING_THRESHOLD`` elements. Whether the route
+    splits into recomputed chunks is :func:`head_token_scores`'s rule."""
     grad = torch.is_grad_enabled() if grad is None else grad
-    if grad:
-        return n_tokens * vocab >= LOGITS_CHUNKING_THRESHOLD
-    return vocab >= NO_GRAD_CHUNKING_VOCAB
+    return vocab >= NO_GRAD_CHUNKING_VOCAB or (grad and n_tokens * vocab >= LOGITS_CHUNKING_THRESHOLD)
+
+
+def forced_chunks(model: nn.Module) -> bool:
+    """Whether ``model``'s setting is ``logits_chunking="on"`` (chunks even where they cost time)."""
+    return getattr(model, _SETTING_ATTR, "auto") == "on"
 
 
 def _whole_linear_weight(head: nn.Module) -> bool:
@@ -190,6 +196,7 @@ def head_token_scores(
     entropy_grad: bool = True,
     argmax: bool = False,
     chunk_elements: int | None = None,
+    force_chunks: bool = False,
 ) -> TokenScores:
     """Log-probs (and entropy, argmax) of ``head(hidden) / temperature``, a chunk of tokens at a time.
 
@@ -202,15 +209,20 @@ def head_token_scores(
         argmax: also return the most likely token (SFT's token accuracy).
         chunk_elements: logits per chunk (tokens per chunk = chunk_elements // V, at least 1); None
             for 2**22 (16 MiB of float32) with gradients, 2**21 (8 MiB) without.
+        force_chunks: with gradients, chunk (and recompute) even below ``LOGITS_CHUNKING_THRESHOLD``
+            logits (``logits_chunking="on"``). Otherwise, with gradients and fewer logits than that (and
+            no ``chunk_elements``), the head runs on all N tokens at once and nothing is recomputed.
 
     Returns:
         :class:`TokenScores`, each (N,).
     """
     n_tokens, _ = hidden.shape
     vocab = head.weight.shape[0]  # (V, H); peft wrappers expose their base layer's weight
-    use_checkpoint = torch.is_grad_enabled()
-    default_chunk = _CHUNK_ELEMENTS if use_checkpoint else _NO_GRAD_CHUNK_ELEMENTS
-    tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab)
+    grad = torch.is_grad_enabled()
+    small = chunk_elements is None and not force_chunks and n_tokens * vocab < LOGITS_CHUNKING_THRESHOLD
+    use_checkpoint = grad and not small  # recompute a chunk's logits in backward only where memory asks
+    default_chunk = _CHUNK_ELEMENTS if grad else _NO_GRAD_CHUNK_ELEMENTS
+    tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab) if not (grad and small) else n_tokens
 
     def score(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits = head(h)  # (n, V), recomputed in backward

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits, masked_sum
-from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_token_scores
+from lit_rlhf.models.forwards import scatter_tokens
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
 from lit_rlhf.models.scoring import token_values
 
 __all__ = [
@@ -324,12 +325,14 @@ def packed_token_scores(
     G, kept = layout.input_ids.shape[0], layout.logits_to_keep
     head = chunkable_head(model, G * kept + N * T)
     if head is not None:
+        real = layout.response_mask  # (N, T): the head runs on real response tokens only
         hidden = final_hidden_states(model, head, layout.forward_kwargs(), kept)  # (G, kept, H)
-        hidden = layout.gather(hidden, layout.predict_index)  # (N, T, H)
+        hidden = layout.gather(hidden, layout.predict_index[real])  # (n, H)
         scores = head_token_scores(
-            head, hidden.reshape(N * T, -1), layout.labels.reshape(-1), temperature, entropy, entropy_grad
-        )  # (N*T,)
-        return scores.logprobs.view(N, T), None if scores.entropy is None else scores.entropy.view(N, T)
+            head, hidden, layout.labels[real], temperature, entropy, entropy_grad, force_chunks=forced_chunks(model)
+        )  # (n,)
+        entropies = None if scores.entropy is None else scatter_tokens(scores.entropy, real)
+        return scatter_tokens(scores.logprobs, real), entropies
     logits = model(**layout.forward_kwargs(), logits_to_keep=kept).logits  # (G, kept, V)
     logits = layout.gather(logits, layout.predict_index)  # (N, T, V)
     logprobs = logprobs_from_logits(logits, layout.labels, temperature=temperature)  # (N, T)
