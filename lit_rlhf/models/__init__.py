@@ -37,6 +37,7 @@ from lit_rlhf.models.shared_prefix import (
     packed_policy_forward,
     packed_response_logprobs,
     packed_sequence_scores,
+    packed_token_scores,
     pair_layout,
     shared_prefix_layout,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "packed_policy_forward",
     "packed_response_logprobs",
     "packed_sequence_scores",
+    "packed_token_scores",
     "pair_layout",
     "policy_forward",
     "position_ids_from_mask",

@@ -30,7 +30,8 @@ def policy_forward(
     temperature: float,
     value_head: torch.nn.Module | None = None,
     entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs and entropy of the response tokens, and shared-backbone values, from one forward.
 
     Args:
@@ -38,14 +39,15 @@ def policy_forward(
         temperature: the sampling temperature (logits are divided by it, as during generation).
         value_head: the critic's head when it shares the actor's backbone, else None.
         entropy_grad: build the entropy's autograd graph (only needed when it is in the loss).
+        entropy: compute the entropy at all (False: None, e.g. for reference log-probs).
 
     Returns:
-        logprobs (B, T) float32, entropy (B, T) float32, values (B, T) float32 or None.
+        logprobs (B, T) float32, entropy (B, T) float32 (or None), values (B, T) float32 or None.
     """
     head = chunkable_head(actor, input_ids.shape[0] * (response_length + 1))
     if head is not None:
         return _chunked_policy_forward(
-            actor, head, input_ids, attention_mask, response_length, temperature, value_head, entropy_grad
+            actor, head, input_ids, attention_mask, response_length, temperature, value_head, entropy_grad, entropy
         )
     # Position P-1+t predicts response token t: only the last T+1 positions need the LM head.
     logits, hidden = causal_lm_logits_and_hidden(
@@ -56,11 +58,13 @@ def policy_forward(
     logprobs = logprobs_from_logits(logits, labels, temperature=temperature)
     # With ent_coef = 0 the entropy is only logged: without a graph its float32 softmax is neither kept
     # nor recomputed in backward.
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+    entropies = None
+    if entropy:
+        entropies = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
     values = None
     if value_head is not None:
         values = value_head(hidden[:, -response_length - 1 : -1])
-    return logprobs, entropy, values
+    return logprobs, entropies, values
 
 
 def _chunked_policy_forward(
@@ -72,7 +76,8 @@ def _chunked_policy_forward(
     temperature: float,
     value_head: torch.nn.Module | None,
     entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`policy_forward` through the LM head route (``lit_rlhf.models.lm_head``): the head runs on
     the real response tokens only (mask 1 in ``attention_mask``'s last T columns); padded positions of
     the (B, T) log-probs and entropy read 0."""
@@ -82,11 +87,12 @@ def _chunked_policy_forward(
     labels = input_ids[:, -T:] if T else input_ids[:, :0]  # (B, T)
     real = attention_mask[:, attention_mask.shape[1] - T :].bool()  # (B, T)
     scores = head_token_scores(
-        head, hidden[real], labels[real], temperature, entropy=True, entropy_grad=entropy_grad,
+        head, hidden[real], labels[real], temperature, entropy=entropy, entropy_grad=entropy_grad,
         force_chunks=forced_chunks(actor),
     )  # (N,) each, N real tokens
     values = None if value_head is None else value_head(hidden)  # (B, T)
-    return scatter_tokens(scores.logprobs, real), scatter_tokens(scores.entropy, real), values
+    entropies = None if scores.entropy is None else scatter_tokens(scores.entropy, real)
+    return scatter_tokens(scores.logprobs, real), entropies, values
 
 
 def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from lit_rlhf.guards import NonFiniteError, screen_scores
 from lit_rlhf.models import (
     SharedPrefixLayout,
     layout_fits,
-    packed_policy_forward,
+    packed_token_scores,
     policy_forward,
     reference_logits_context,
     shared_prefix_layout,
@@ -64,15 +64,16 @@ class RolloutScoring(LightningModule):
         temperature: float,
         layout: SharedPrefixLayout | None = None,
         entropy_grad: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) log-probs and entropy of a policy ``model``, from ``layout`` when given and the model
-        takes its mask, else from the padded rows (the two agree to float rounding)."""
+        entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) log-probs and entropy (None unless ``entropy``) of a policy ``model``, from ``layout``
+        when given and the model takes its mask, else from the padded rows (equal to float rounding)."""
         if layout is not None and layout_fits(model, layout):
-            return packed_policy_forward(model, layout, temperature, entropy_grad)
-        logprobs, entropy, _ = policy_forward(
-            model, input_ids, attention_mask, T, temperature, entropy_grad=entropy_grad
+            return packed_token_scores(model, layout, temperature, entropy, entropy_grad)
+        logprobs, entropies, _ = policy_forward(
+            model, input_ids, attention_mask, T, temperature, entropy_grad=entropy_grad, entropy=entropy
         )
-        return logprobs, entropy
+        return logprobs, entropies
 
     def policy_and_values(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, layout: SharedPrefixLayout | None = None
@@ -96,7 +97,9 @@ class RolloutScoring(LightningModule):
         temperature = self.generation.temperature if temperature is None else temperature
         with reference_logits_context(unwrap(self.actor)):
             ref_model = self.reference if self.reference is not None else self.actor
-            ref_logprobs, _ = self.actor_forward(ref_model, input_ids, attention_mask, T, temperature, layout)
+            ref_logprobs, _ = self.actor_forward(
+                ref_model, input_ids, attention_mask, T, temperature, layout, entropy=False
+            )
         return ref_logprobs
 
     @torch.no_grad()
