@@ -28,7 +28,8 @@ from lit_rlhf.modules import DPOModule, RewardModelModule, SFTModule
 from lit_rlhf.modules.reward_model import PairMetrics
 from lit_rlhf.rollout import Rollout
 
-FORCED = {"token_budget": 48, "min_saving": 0.0}  # bucket every batch, in small micro-batches
+# bucket every batch, in small micro-batches cut by the least-cost planner
+FORCED = {"token_budget": 48, "min_saving": 0.0, "split_cost": 4}
 OFF = {"enabled": False}
 
 
@@ -44,6 +45,52 @@ def plans(draw):
     budget = draw(st.one_of(st.none(), st.integers(1, 200)))
     max_rows = draw(st.one_of(st.none(), st.integers(1, 8)))
     return torch.tensor(lengths).view(-1, segments), budget, max_rows, group_size
+
+
+def _plan_cost(lengths, plan, split_cost):
+    return padded_tokens(lengths, plan) + split_cost * len(plan)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans(), st.integers(0, 50))
+def test_least_cost_plan_is_valid_and_no_dearer_than_the_greedy_fill(case, split_cost):
+    lengths, budget, max_rows, group_size = case
+    plan = plan_micro_batches(lengths, budget, max_rows, group_size, split_cost)
+    assert sorted(torch.cat(plan).tolist()) == list(range(lengths.shape[0]))
+    for rows in plan:
+        groups = rows.view(-1, group_size)
+        assert (groups - groups[:, :1] == torch.arange(group_size)).all()
+        single = len(groups) == 1
+        width = int(lengths[rows].amax(0).sum())
+        assert budget is None or len(rows) * width <= budget or single
+        assert max_rows is None or len(rows) <= max_rows or single
+    greedy = plan_micro_batches(lengths, budget, max_rows, group_size)
+    assert _plan_cost(lengths, plan, split_cost) <= _plan_cost(lengths, greedy, split_cost)
+
+
+def test_least_cost_plan_by_hand():
+    lengths = torch.tensor([100, 10, 100, 10])  # sorted: rows 0, 2 (100), then 1, 3 (10)
+    # cost 10 a micro-batch: one of 4 x 100 (410) > two of 2 x 100 and 2 x 10 (240) < four singles (260)
+    two = plan_micro_batches(lengths, split_cost=10)
+    assert [r.tolist() for r in two] == [[0, 2], [1, 3]]
+    one = plan_micro_batches(lengths, split_cost=500)  # 900 < 1220: whole
+    assert [r.tolist() for r in one] == [[0, 2, 1, 3]]
+    with pytest.raises(ValueError, match="split_cost must be >= 0"):
+        plan_micro_batches(lengths, split_cost=-1)
+
+
+def test_split_cost_auto_resolves_by_model_size(tokenizer_dir):
+    from lit_rlhf.batching import SPLIT_WORK
+    from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
+
+    model = build_causal_lm(ModelSpec.coerce(spec(tokenizer_dir, llama_config())), load_tokenizer(tokenizer_dir))
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert Bucketing().resolved(model).split_cost == round(SPLIT_WORK / n)
+    assert Bucketing(split_cost=7).resolved(model).split_cost == 7
+    assert Bucketing(split_cost=None).resolved(model).split_cost is None
+    for bad in (-1, "never", 1.5, True):
+        with pytest.raises(ValueError, match="split_cost must be"):
+            Bucketing(split_cost=bad)
 
 
 @settings(max_examples=200, deadline=None)
@@ -346,7 +393,7 @@ def test_bucketing_is_an_argument_of_every_module(tokenizer_dir):
     with pytest.raises(TypeError, match="SFTModule: bucketing"):
         SFTModule(spec(tokenizer_dir, gpt2_config()), bucketing="yes")
     module = RewardModelModule(spec(tokenizer_dir, gpt2_config()), bucketing={"token_budget": 512})
-    assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.1}
+    assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.1, "split_cost": "auto"}
     ppo = tiny_ppo(tokenizer_dir, gpt2_config(), bucketing={"min_saving": 0.5}, critic_optimizer=adamw(1e-3))
     assert ppo.bucketing == Bucketing(min_saving=0.5) and ppo.hparams.bucketing["min_saving"] == 0.5
 

@@ -135,7 +135,7 @@ class RolloutScoring(LightningModule):
         rows each, length-bucketed and trimmed under ``bucketing`` where that saves compute, else
         consecutive rows at the full width; ``group_size`` consecutive rows stay together."""
         return rollout_micro_batches(
-            attention_mask, T, self.bucketing, self.hparams.forward_batch_size, group_size
+            attention_mask, T, self.bucketing.resolved(self.actor), self.hparams.forward_batch_size, group_size
         )
 
     @torch.no_grad()

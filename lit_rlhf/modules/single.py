@@ -67,7 +67,7 @@ class SingleModelModule(LightningModule):
     def micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[torch.Tensor | slice, slice]]:
         """(rows, columns) of the forwards over an (N, L) batch: length-bucketed and trimmed under
         ``bucketing`` where that saves compute, else the whole batch (see :mod:`lit_rlhf.batching`)."""
-        return sequence_micro_batches(attention_mask, self.bucketing)
+        return sequence_micro_batches(attention_mask, self.bucketing.resolved(self.model))
 
     def per_row(
         self, fn: Callable[..., Any], attention_mask: torch.Tensor, *tensors: torch.Tensor
