@@ -221,9 +221,11 @@ class Bucketing:
         where the plain path is taken (disabled, or saving less than ``min_saving``)."""
         if not self.enabled or lengths.shape[0] == 0:
             return None
+        plain = lengths.shape[0] * width
+        if int(lengths.sum()) > (1.0 - self.min_saving) * plain:  # no plan can save min_saving
+            return None
         split_cost = None if self.split_cost == "auto" else self.split_cost  # unresolved: no split
         plan = plan_micro_batches(lengths, self.token_budget, max_rows, group_size, split_cost)
-        plain = lengths.shape[0] * width
         return plan if padded_tokens(lengths, plan) <= (1.0 - self.min_saving) * plain else None
 
 

@@ -141,7 +141,7 @@ def test_nonfinite_step_is_skipped_counted_and_weights_stay_finite(kind, fault, 
         params[0].register_hook(poison_grad)
     original = module.on_train_batch_start
     module.on_train_batch_start = lambda *a: (seen.append([p.detach().clone() for p in params]), original(*a))[1]
-    trainer = _trainer(tmp_path, max_steps=5)
+    trainer = _trainer(tmp_path, max_steps=5, log_every_n_steps=1)  # the count is logged on logging steps
     trainer.fit(module, data)
     seen.append([p.detach().clone() for p in params])
     assert module.step_guard.skipped == 1
@@ -180,3 +180,20 @@ def test_failed_fit_exits_nonzero_and_exports_nothing(tiny_data_dir, tmp_path):
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "NonFiniteError" in proc.stderr and "holds NaN or infinite values" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "runs/rm_tiny/export").exists()
+
+
+def test_skipped_steps_reach_the_logger_on_its_steps_only(tiny_data_dir, tmp_path):
+    # self.log costs ~1 ms of Lightning bookkeeping: train/skipped_steps is logged on the logging steps only,
+    # and every row the logger writes has it
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    module, data = _modules(tiny_data_dir, "rm")
+    trainer = _trainer(tmp_path, max_steps=6, log_every_n_steps=2, logger=CSVLogger(tmp_path, name="log"))
+    trainer.fit(module, data)
+    (path,) = tmp_path.glob("log/version_*/metrics.csv")
+    rows = [r for r in csv.DictReader(open(path)) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
+    assert all(r["train/skipped_steps"] == "0.0" for r in rows)

@@ -35,12 +35,14 @@ class ModelSpec:
         seed: seed of every random initialisation (inline config, new heads, new embedding rows, LoRA);
             None draws them from the global RNG, so ``seed_everything`` decides.
         logits_chunking: how a causal LM's log-probs, entropy and SFT accuracy are computed: ``on``
-            applies the LM head to chunks of tokens from the final hidden states, recomputed in backward,
-            so the (tokens x vocabulary) logits never exist at once; ``off`` computes the full logits;
-            ``auto`` chunks when they would hold >= 2**24 elements (e.g. 8 x 66 tokens at a 32k
-            vocabulary) and, without gradients (rollout scoring, reference log-probs), whenever the
-            vocabulary has >= 8192 tokens. Equal results either way; architectures or FSDP sharding where chunking is not
-            exact (logit softcapping, a sharded head) always take the full-logits path.
+            applies the LM head to the scored tokens' final hidden states in chunks, recomputed in
+            backward, so the (tokens x vocabulary) logits never exist at once; ``off`` computes the full
+            logits of every position; ``auto`` takes the head route (the head on the scored tokens only,
+            e.g. the real response tokens of a rollout) at vocabularies of >= 8192 tokens, and with
+            smaller ones when the logits would hold >= 2**24 elements with gradients; with gradients it
+            splits into recomputed chunks only from 2**24 logits on. Equal results either way;
+            architectures or FSDP sharding where the route is not exact (logit softcapping, a sharded
+            head) always take the full-logits path.
     """
 
     name_or_path: str | None = None

@@ -58,7 +58,8 @@ TRL_COMMON = dict(
 
 
 def bench_parser(doc: str | None, impl: bool = True):
-    """The argparse parser every benchmark script starts from: --impl lit|trl, --assets, --threads."""
+    """The argparse parser every benchmark script starts from: --impl lit|trl, --assets, --threads, and
+    --lit-args (a JSON object of lit_rlhf constructor-argument overrides, see :func:`with_overrides`)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +67,28 @@ def bench_parser(doc: str | None, impl: bool = True):
         parser.add_argument("--impl", choices=["lit", "trl"], required=True)
     parser.add_argument("--assets", required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--lit-args", type=json.loads, default={},
+        help='lit_rlhf module arguments to override, JSON, e.g. \'{"generation": {"sampler": "multinomial"}}\'',
+    )  # fmt: skip
     return parser
+
+
+def with_overrides(kwargs: dict, overrides: dict) -> dict:
+    """Module constructor ``kwargs`` with ``overrides`` applied: a dict given for a dataclass or dict
+    argument (ModelSpec, GenerationSettings, Bucketing) updates those fields, anything else replaces it."""
+    import dataclasses
+
+    out = dict(kwargs)
+    for key, value in overrides.items():
+        current = out.get(key)
+        if isinstance(value, dict) and dataclasses.is_dataclass(current):
+            out[key] = dataclasses.replace(current, **value)
+        elif isinstance(value, dict) and isinstance(current, dict):
+            out[key] = {**current, **value}
+        else:
+            out[key] = value
+    return out
 
 
 def default_optimizer(module_class: type, argument: str, **kwargs):

@@ -22,7 +22,16 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TRL_COMMON, Timeline, bench_parser, default_optimizer, emit, footprint, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    TRL_COMMON,
+    Timeline,
+    bench_parser,
+    default_optimizer,
+    emit,
+    footprint,
+    set_threads,
+    with_overrides,
+)
 from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
 
 
@@ -55,7 +64,7 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
             timeline.mark("iter_end")
 
     size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
-    module = TimedGRPO(
+    kwargs = dict(
         actor=ModelSpec(name_or_path=str(folder / "actor")),
         reward_fn="workloads:bench_reward",
         advantage_estimator="grpo",
@@ -77,6 +86,7 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
             CriticFreeModule, "actor_optimizer", lr=GRPO["lr"], weight_decay=0.0
         ),
     )
+    module = TimedGRPO(**with_overrides(kwargs, args.lit_args))
     prompts = load_rows(args.assets, args.size)["grpo_prompts"]
     rows = [{"prompt_input_ids": p["ids"]} for p in prompts[: size["grpo_groups"] * size["grpo_rollouts"]]]
     loader = torch.utils.data.DataLoader(

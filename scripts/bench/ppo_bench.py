@@ -32,6 +32,7 @@ from common import (
     footprint,
     load_json,
     set_threads,
+    with_overrides,
 )  # noqa: E402
 from workloads import MAX_NEW_TOKENS, PPO32K, SIZES, assets_dir, load_rows  # noqa: E402
 
@@ -99,7 +100,7 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
     S, models, prompts = workload(args)
     actor_opt = default_optimizer(PPOModule, "actor_optimizer", lr=S["lr"], weight_decay=0.0)
     critic_opt = default_optimizer(PPOModule, "critic_optimizer", lr=S["lr"], weight_decay=0.0)
-    module = TimedPPO(
+    kwargs = dict(
         actor=ModelSpec(name_or_path=str(models / "actor")),
         reward_model=ModelSpec(name_or_path=str(models / "reward")),
         critic=ModelSpec(name_or_path=str(models / "reward")),
@@ -121,6 +122,7 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
         actor_optimizer=actor_opt,
         critic_optimizer=critic_opt,
     )
+    module = TimedPPO(**with_overrides(kwargs, args.lit_args))
     rows = [{"prompt_input_ids": p} for p in prompts]
     collate = PromptCollator(module.tokenizer.pad_token_id)
     loader = torch.utils.data.DataLoader(rows, batch_size=S["batch"], collate_fn=collate)
