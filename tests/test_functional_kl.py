@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_rlhf.functional import kl_penalty, kl_shaped_rewards
+from lit_rlhf.functional import kl_penalty, kl_shaped_rewards, masked_kl
 
 # d = lp - ref = 0.5 and -1.0
 LP = torch.tensor([[-1.0, -2.0]])
@@ -83,3 +83,11 @@ def test_kl_shaped_rewards_rejects_empty_rows_and_bad_scores():
         kl_shaped_rewards(torch.zeros(3, 1), lp, lp, torch.ones(3, 2), 0.1)
     with pytest.raises(ValueError, match="kl_coef"):
         kl_shaped_rewards(torch.zeros(3), lp, lp, torch.ones(3, 2), -0.1)
+
+
+def test_masked_kl_by_hand():
+    # k1 = logp - ref on real tokens, 0 on padding even where the padded log-probs are not finite
+    logp = torch.tensor([[-1.0, -2.0, float("nan")]])
+    ref = torch.tensor([[-1.5, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(masked_kl(logp, ref, mask, "k1"), torch.tensor([[0.5, -1.0, 0.0]]))

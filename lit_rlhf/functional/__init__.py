@@ -14,7 +14,7 @@ from lit_rlhf.functional.advantages import (
     rloo_advantages,
     sequence_advantages,
 )
-from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
+from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, masked_kl
 from lit_rlhf.functional.kl_controllers import (
     AdaptiveKLController,
     FixedKLController,
@@ -74,6 +74,7 @@ __all__ = [
     "kl_penalty",
     "kl_penalty_policy_loss",
     "kl_shaped_rewards",
+    "masked_kl",
     "label_logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",

@@ -6,7 +6,7 @@ import torch
 
 from lit_rlhf.functional._checks import as_float, check_2d, check_number, check_same_shape
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty", "kl_shaped_rewards"]
+__all__ = ["KL_ESTIMATORS", "kl_penalty", "kl_shaped_rewards", "masked_kl"]
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
@@ -43,6 +43,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(
         f"kl_penalty: unknown `estimator` {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}"
     )
+
+
+def masked_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """(B, T) per-token ``kl_penalty`` on real tokens, exactly 0 on padding whatever it holds."""
+    return torch.where(response_mask.bool(), kl_penalty(logprobs, ref_logprobs, estimator), 0.0)  # (B, T)
 
 
 def kl_shaped_rewards(
@@ -83,7 +90,7 @@ def kl_shaped_rewards(
             f"{fn}: `response_mask` row(s) {empty} have no real token; each response needs at least one"
         )
 
-    kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, estimator), 0.0)
+    kl = masked_kl(logprobs, ref_logprobs, mask, estimator)  # (B, T)
     rewards = -kl_coef * kl
     # The last real token, wherever the padding is: the largest position index with mask = 1.
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)

@@ -15,11 +15,12 @@ from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_
 from lit_rlhf.models.scoring import (
     _forward_kwargs,
     causal_lm_logits_and_hidden,
+    scatter_tokens,
     sequence_scores,
     token_values,
 )
 
-__all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores", "scatter_tokens"]
+__all__ = ["chunked", "critic_values", "policy_forward", "reward_model_scores"]
 
 
 def policy_forward(
@@ -93,11 +94,6 @@ def _chunked_policy_forward(
     values = None if value_head is None else value_head(hidden)  # (B, T)
     entropies = None if scores.entropy is None else scatter_tokens(scores.entropy, real)
     return scatter_tokens(scores.logprobs, real), entropies, values
-
-
-def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) values of the True positions of a (B, T) ``mask`` -> (B, T), 0 elsewhere (differentiable)."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def critic_values(

@@ -121,7 +121,7 @@ def next_token_logprobs(
     scores = head_token_scores(
         head, hidden[:, :-1][score_mask], labels[score_mask], argmax=argmax, force_chunks=forced_chunks(model)
     )  # (N,)
-    logprobs = scores.logprobs.new_zeros(labels.shape).masked_scatter(score_mask, scores.logprobs)
+    logprobs = scatter_tokens(scores.logprobs, score_mask)
     predicted = labels.new_full(labels.shape, -1).masked_scatter(score_mask, scores.argmax) if argmax else None
     return logprobs, predicted
 
@@ -147,6 +147,11 @@ def response_logprobs(
     mask = response_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # (N, L-1)
     token_logps, _ = next_token_logprobs(model, input_ids, attention_mask, mask)  # (N, L-1) float32
     return masked_sum(token_logps, mask, dim=1), mask.sum(dim=1)  # (N,), (N,)
+
+
+def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) values of the True positions of a (B, T) ``mask`` -> (B, T), 0 elsewhere (differentiable)."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def _score_head(model: nn.Module) -> nn.Module:

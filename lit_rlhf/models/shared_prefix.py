@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits, masked_sum
-from lit_rlhf.models.forwards import scatter_tokens
 from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
-from lit_rlhf.models.scoring import token_values
+from lit_rlhf.models.scoring import scatter_tokens, token_values
 
 __all__ = [
     "SHARED_PREFIX_MODES",

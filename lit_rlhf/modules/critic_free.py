@@ -210,7 +210,7 @@ class CriticFreeModule(OnlineRLModule):
         self.update_record = None
         # 5. Rollout statistics (the rollout policy's KL to the reference), controllers and schedules
         #    advance once per rollout; metrics and samples are logged.
-        kl = torch.where(response_mask, F.kl_penalty(old_logprobs, ref_logprobs, self.hparams.kl_estimator), 0.0)
+        kl = F.masked_kl(old_logprobs, ref_logprobs, response_mask, self.hparams.kl_estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, response_mask)
         self.log_rollout_stats(
             scores, scores - self.kl_ctl.value * sequence_kl, kl, response_mask, truncated, entropy

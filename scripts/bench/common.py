@@ -57,9 +57,10 @@ TRL_COMMON = dict(
 )  # fmt: skip
 
 
-def bench_parser(doc: str | None, impl: bool = True):
+def bench_parser(doc: str | None, impl: bool = True, lit_args: bool = False):
     """The argparse parser every benchmark script starts from: --impl lit|trl, --assets, --threads, and
-    --lit-args (a JSON object of lit_rlhf constructor-argument overrides, see :func:`with_overrides`)."""
+    with ``lit_args`` --lit-args (a JSON object of lit_rlhf constructor-argument overrides, see
+    :func:`with_overrides`; only for scripts that apply it)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,10 +68,11 @@ def bench_parser(doc: str | None, impl: bool = True):
         parser.add_argument("--impl", choices=["lit", "trl"], required=True)
     parser.add_argument("--assets", required=True)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--lit-args", type=json.loads, default={},
-        help='lit_rlhf module arguments to override, JSON, e.g. \'{"generation": {"sampler": "multinomial"}}\'',
-    )  # fmt: skip
+    if lit_args:
+        parser.add_argument(
+            "--lit-args", type=json.loads, default={},
+            help='lit_rlhf module arguments to override, JSON, e.g. \'{"generation": {"sampler": "multinomial"}}\'',
+        )  # fmt: skip
     return parser
 
 

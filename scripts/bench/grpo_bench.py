@@ -169,7 +169,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
+    parser = bench_parser(__doc__, lit_args=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     args = parser.parse_args()
     set_threads(args.threads)

@@ -239,7 +239,7 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
+    parser = bench_parser(__doc__, lit_args=True)
     parser.add_argument("--model", choices=["small", "large"], default="small")
     parser.add_argument("--rollouts", type=int, default=5)
     parser.add_argument("--count-flops", action="store_true")
