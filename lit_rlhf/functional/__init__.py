@@ -21,7 +21,13 @@ from lit_rlhf.functional.kl_controllers import (
     KLController,
     PPOPenaltyKLController,
 )
-from lit_rlhf.functional.logprobs import entropy_from_logits, label_logprobs_and_entropy, logprobs_from_logits
+from lit_rlhf.functional.logprobs import (
+    entropy_from_logits,
+    label_logprobs_and_entropy,
+    label_logprobs_and_entropy_grad_,
+    logprobs_from_logits,
+    scaled_label_scores,
+)
 from lit_rlhf.functional.losses import (
     DPO_LOSS_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -76,7 +82,9 @@ __all__ = [
     "kl_shaped_rewards",
     "masked_kl",
     "label_logprobs_and_entropy",
+    "label_logprobs_and_entropy_grad_",
     "logprobs_from_logits",
+    "scaled_label_scores",
     "masked_mean",
     "masked_moments",
     "masked_row_sum",

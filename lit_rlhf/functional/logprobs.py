@@ -18,7 +18,13 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_rlhf.functional._checks import as_float, check_number
 
-__all__ = ["entropy_from_logits", "label_logprobs_and_entropy", "logprobs_from_logits"]
+__all__ = [
+    "entropy_from_logits",
+    "label_logprobs_and_entropy",
+    "label_logprobs_and_entropy_grad_",
+    "logprobs_from_logits",
+    "scaled_label_scores",
+]
 
 # Logits upcast to float32 at a time: 2**24 elements = 64 MiB of float32 per slice.
 _CHUNK_ELEMENTS = 1 << 24
@@ -99,10 +105,71 @@ def label_logprobs_and_entropy(
     Returns:
         log-probs (...) and entropy (...) or None, float32 (float64 kept).
     """
-    z = _scaled(logits, temperature)  # (..., V)
+    logp, ent, _ = scaled_label_scores(_scaled(logits, temperature), labels, entropy)
+    return logp, ent
+
+
+def scaled_label_scores(
+    z: torch.Tensor, labels: torch.Tensor, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`label_logprobs_and_entropy` on logits already scaled and upcast (z = logits / temperature),
+    also returning logsumexp(z), which a hand-written backward needs.
+
+    Args:
+        z: (..., V) float32 (or float64). labels: (...) token ids in [0, V). entropy: compute it.
+
+    Returns:
+        log-probs (...), entropy (...) or None, logsumexp(z) (...).
+    """
     lse = torch.logsumexp(z, dim=-1)  # (...)
     logp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse  # (...)
-    return logp, _entropy(z, lse) if entropy else None
+    return logp, _entropy(z, lse) if entropy else None, lse
+
+
+def label_logprobs_and_entropy_grad_(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The gradient of ``label_logprobs_and_entropy`` with respect to the logits, computed in ``z``'s memory.
+
+    With p = softmax(z) and E_p[z] = sum(p * z) = lse - H:
+        d log p(y) / dz = onehot(y) - p
+        d H / dz = -p * (z - E_p[z])
+    so with upstream gradients g (of the log-prob) and h (of the entropy), and z = logits / temperature,
+        dL/dlogits = (g * onehot(y) - p * (g + h * (z - E_p[z]))) / temperature.
+    A fused LM-head backward (``lit_rlhf.models.fused_head``) calls it on each chunk of the scaled logits
+    it kept or recomputed; nothing of (n, V) is allocated beyond ``z`` itself, plus one (n, V) buffer
+    when the entropy has a gradient.
+
+    Args:
+        z: (n, V) float32 (or float64) logits / temperature; overwritten with the result.
+        labels: (n,) token ids in [0, V).
+        lse: (n,) logsumexp(z) from the forward.
+        grad_logprobs: (n,) upstream gradient of the log-probs.
+        grad_entropy: (n,) upstream gradient of the entropies, or None when the entropy has none.
+        entropy: (n,) the entropies from the forward (needed with ``grad_entropy``).
+        temperature: > 0, the divisor that made ``z``.
+
+    Returns:
+        ``z``, now (n, V) dL/dlogits.
+    """
+    g = grad_logprobs.unsqueeze(-1)  # (n, 1)
+    weight = None
+    if grad_entropy is not None:
+        if entropy is None:
+            raise ValueError("label_logprobs_and_entropy_grad_: `grad_entropy` needs the forward's `entropy`")
+        expected_z = (lse - entropy).unsqueeze(-1)  # (n, 1) E_p[z]
+        weight = (z - expected_z).mul_(grad_entropy.unsqueeze(-1)).add_(g)  # (n, V) g + h (z - E_p[z])
+    p = z.sub_(lse.unsqueeze(-1)).exp_()  # (n, V) softmax(z), in place
+    grad = p.mul_(weight if weight is not None else g).neg_()  # (n, V) -p * (g + h (z - E_p[z]))
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    grad[rows, labels] += grad_logprobs  # (n, V) + g * onehot(y)
+    return grad if temperature == 1.0 else grad.div_(temperature)
 
 
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lit_rlhf.functional import label_logprobs_and_entropy
+from lit_rlhf.models.fused_head import fusable_head, fused_head_token_scores
 from lit_rlhf.models.spec import LogitsChunking
 
 __all__ = [
@@ -228,6 +229,14 @@ def head_token_scores(
     use_checkpoint = grad and not small  # recompute a chunk's logits in backward only where memory asks
     default_chunk = _CHUNK_ELEMENTS if grad else _NO_GRAD_CHUNK_ELEMENTS
     tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab) if not (grad and small) else n_tokens
+
+    if grad and n_tokens and fusable_head(head, hidden):  # one autograd function: see models/fused_head.py
+        chunk_tokens = max(1, (chunk_elements or _CHUNK_ELEMENTS) // vocab)
+        logp, ent, top = fused_head_token_scores(
+            hidden, labels, head.weight, head.bias, temperature=temperature, tokens_per_chunk=chunk_tokens,
+            entropy=entropy, entropy_grad=entropy_grad, argmax=argmax, keep_logits=small,
+        )  # fmt: skip
+        return TokenScores(logp, ent, top)
 
     def score(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits = head(h)  # (n, V), recomputed in backward

@@ -1,0 +1,132 @@
+"""Log-probs and entropy through a plain ``nn.Linear`` LM head as one autograd function.
+
+Autograd's own graph of ``label_logprobs_and_entropy(head(hidden), labels)`` keeps the (N, V) logits for
+the backward and then allocates three more (N, V) float32 tensors in it (the one-hot of the gather's
+backward, ``exp(z - lse)`` of the logsumexp's, their sum), and in chunks under activation checkpointing
+the head's (V, H) weight gradient is allocated once per chunk and added up. Here the forward keeps either
+the float32 scaled logits (``keep_logits``: no matmul recomputed) or nothing of (N, V) (their chunks are
+recomputed in the backward), and the backward turns each chunk of them into its gradient in place
+(:func:`~lit_rlhf.functional.label_logprobs_and_entropy_grad_`) and accumulates the weight gradient into
+one (V, H) buffer: the update's peak holds one chunk beyond the kept logits (the fused linear
+cross-entropy of Liger-Kernel, arXiv 2410.10989 Sec. 3.3, for a log-prob and an entropy instead of a loss).
+
+Same operations as the plain path in the forward (``scaled_label_scores`` on each chunk), so the
+outputs are equal; the gradients equal autograd's up to the order of float sums. Used only with gradients,
+for a plain ``nn.Linear`` head with floating-point weights outside autocast (:func:`fusable_head`);
+everything else (a peft-wrapped or quantised head, autocast) takes the checkpointed route of
+``lit_rlhf.models.lm_head``. The kept logits are overwritten by the backward, so a second backward
+through the same graph (``retain_graph=True``) raises autograd's in-place modification error.
+
+Shapes: N scored tokens, H hidden size, V vocabulary, n tokens of one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as torch_f
+
+from lit_rlhf.functional import label_logprobs_and_entropy_grad_, scaled_label_scores
+
+__all__ = ["fused_head_token_scores", "fusable_head"]
+
+
+def fusable_head(head: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether :func:`fused_head_token_scores` applies: a plain ``nn.Linear`` (no subclass, e.g. no
+    quantised layer, no peft wrapper, no hooks) with a floating-point weight, outside autocast."""
+    if type(head) is not nn.Linear or not head.weight.dtype.is_floating_point:
+        return False
+    if head._forward_hooks or head._forward_pre_hooks:
+        return False
+    return not torch.is_autocast_enabled(hidden.device.type)
+
+
+def fused_head_token_scores(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    tokens_per_chunk: int,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+    argmax: bool = False,
+    keep_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(N,) float32 log-probs, (N,) entropies (None unless ``entropy``) and (N,) argmax token ids (None
+    unless ``argmax``) of the head ``hidden @ weight.T + bias``, divided by ``temperature``.
+
+    Args:
+        hidden: (N, H). labels: (N,) token ids in [0, V). weight: (V, H). bias: (V,) or None.
+        temperature: > 0. tokens_per_chunk: >= 1 rows of logits per chunk.
+        entropy: compute the entropy; entropy_grad: let gradients flow through it (else it is detached).
+        argmax: also return the most likely token of each row.
+        keep_logits: keep the float32 (N, V) scaled logits for the backward instead of recomputing them.
+    """
+    if tokens_per_chunk < 1:
+        raise ValueError(f"fused_head_token_scores: tokens_per_chunk must be >= 1, got {tokens_per_chunk}")
+    options = (temperature, tokens_per_chunk, entropy, entropy_grad, argmax, keep_logits)
+    logprobs, ent, top = _FusedHeadScores.apply(hidden, labels, weight, bias, options)
+    return logprobs, ent if entropy else None, top if argmax else None
+
+
+class _FusedHeadScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, labels, weight, bias, options):
+        temperature, tokens_per_chunk, want_entropy, entropy_grad, want_argmax, keep_logits = options
+        logprobs, entropies, lses, tops, kept = [], [], [], [], []
+        for h, y in zip(hidden.split(tokens_per_chunk), labels.split(tokens_per_chunk)):
+            logits = torch_f.linear(h, weight, bias)  # (n, V) in the weight's dtype
+            z = _scaled(logits, temperature)  # (n, V) float32
+            logp, ent, lse = scaled_label_scores(z, y, entropy=want_entropy)  # (n,), (n,) | None, (n,)
+            logprobs.append(logp)
+            lses.append(lse)
+            entropies.append(ent if want_entropy else logp.new_zeros(logp.shape))
+            tops.append(logits.argmax(-1) if want_argmax else y.new_zeros(y.shape))  # (n,)
+            if keep_logits:
+                kept.append(z)
+        logprobs, entropies, lse, top = torch.cat(logprobs), torch.cat(entropies), torch.cat(lses), torch.cat(tops)
+        ctx.options = options
+        ctx.save_for_backward(hidden, labels, weight, bias, lse, entropies, *kept)
+        # one call: each call replaces the set of non-differentiable outputs
+        ctx.mark_non_differentiable(top, *(() if want_entropy and entropy_grad else (entropies,)))
+        return logprobs, entropies, top
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropies, _grad_argmax):
+        temperature, tokens_per_chunk, want_entropy, entropy_grad, _, keep_logits = ctx.options
+        hidden, labels, weight, bias, lse, entropies, *kept = ctx.saved_tensors
+        need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
+        grad_entropies = grad_entropies if want_entropy and entropy_grad else None
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, H)
+        low_precision = weight.dtype not in (torch.float32, torch.float64)
+        acc_dtype = torch.float32 if low_precision else weight.dtype
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if need_bias else None
+        start = 0
+        for i, h in enumerate(hidden.split(tokens_per_chunk)):
+            rows = slice(start, start + h.shape[0])
+            start = rows.stop
+            z = kept[i] if keep_logits else _scaled(torch_f.linear(h, weight, bias), temperature)  # (n, V)
+            grad_z = label_logprobs_and_entropy_grad_(
+                z, labels[rows], lse[rows], grad_logprobs[rows],
+                None if grad_entropies is None else grad_entropies[rows], entropies[rows], temperature,
+            )  # fmt: skip  # (n, V) dL/dlogits, in z's memory
+            grad_logits = grad_z.to(weight.dtype)  # (n, V)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])  # (n, H)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t().to(acc_dtype), h.to(acc_dtype))  # (V, H)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0).to(acc_dtype)  # (V,)
+        if low_precision:
+            grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+            grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
+        return grad_hidden, None, grad_weight, grad_bias, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 (float64 kept) logits / temperature, a fresh tensor the backward may overwrite."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    return z if temperature == 1.0 else z / temperature
