@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -182,11 +183,7 @@ class Bucketing:
         """These settings with ``split_cost="auto"`` resolved for ``model`` (other values unchanged)."""
         if self.split_cost != "auto":
             return self
-        get_embedding = getattr(model, "get_input_embeddings", None)
-        embedding = get_embedding() if callable(get_embedding) else None
-        skip = {id(p) for p in embedding.parameters()} if isinstance(embedding, torch.nn.Module) else set()
-        n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
-        return replace(self, split_cost=max(1, round(SPLIT_WORK / max(n, 1))))
+        return replace(self, split_cost=max(1, round(SPLIT_WORK / max(_non_embedding_params(model), 1))))
 
     @classmethod
     def coerce(cls, value: Any, argument: str = "bucketing") -> Bucketing:
@@ -322,3 +319,17 @@ def scatter_rows(parts: Sequence[torch.Tensor], rows: Sequence[Rows], n: int, wi
         [torch.arange(n, device=device)[r] if isinstance(r, slice) else r.to(device) for r in rows]
     )  # (n,) batch row of each output row
     return out[torch.argsort(order)]
+
+
+# model -> its non-embedding parameter count: planned on every micro-batch call, counted once per model
+# (walking a model's parameters costs ~0.3 ms, ~2% of a small model's step)
+_PARAM_COUNTS: WeakKeyDictionary[torch.nn.Module, int] = WeakKeyDictionary()
+
+
+def _non_embedding_params(model: torch.nn.Module) -> int:
+    if model not in _PARAM_COUNTS:
+        get_embedding = getattr(model, "get_input_embeddings", None)
+        embedding = get_embedding() if callable(get_embedding) else None
+        skip = {id(p) for p in embedding.parameters()} if isinstance(embedding, torch.nn.Module) else set()
+        _PARAM_COUNTS[model] = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return _PARAM_COUNTS[model]

@@ -128,7 +128,7 @@ def tables(results: dict, a: str, b: str) -> list[str]:
             title = f"{titled[name]}, {run['actor_params'] / 1e6:.1f}M-parameter Llama actor"
             out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "<= 0.7x"))
         elif name == "control_rm":
-            out.append(rm_table(pairs, a, b))
+            out.append(rm_table(pairs, a, b, target=">= 1.0x"))
         else:
             what = "Reward model (Llama classifier)" if name == "W2_rm" else "DPO (Llama causal LM)"
             title = (

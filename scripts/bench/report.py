@@ -153,9 +153,13 @@ def ppo_table(
 
 
 def rm_table(
-    pairs: list[tuple[dict, dict]], a: str, b: str, title: str = "Reward model: hidden-64 2-layer GPT-2"
+    pairs: list[tuple[dict, dict]],
+    a: str,
+    b: str,
+    title: str = "Reward model: hidden-64 2-layer GPT-2",
+    target: str = ">= 1.5x",
 ) -> str:
-    """Pair workloads (control RM, W2 RM, W2 DPO): pairs/s and peak RSS."""
+    """Pair workloads (control RM, W2 RM, W2 DPO): pairs/s and peak RSS; ``target`` of the pairs/s ratio."""
     lines = [
         f"### {title}, {len(pairs)} runs each",
         "",
@@ -164,13 +168,13 @@ def rm_table(
             "pairs/s (wall)",
             [x["pairs_per_s"] for x, _ in pairs],
             [y["pairs_per_s"] for _, y in pairs],
-            ">= 1.5x",
+            target,
         ),
         _row(
             "pairs/s per CPU-second",
             [x["cpu_pairs_per_s"] for x, _ in pairs],
             [y["cpu_pairs_per_s"] for _, y in pairs],
-            ">= 1.5x",
+            target,
         ),
         _row("peak RSS MB", [x["peak_rss_mb"] for x, _ in pairs], [y["peak_rss_mb"] for _, y in pairs]),
     ]
