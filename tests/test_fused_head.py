@@ -156,3 +156,58 @@ def test_route_only_for_plain_linear_heads_with_gradients(monkeypatch):
 
     assert not fusable_head(Quantised(H, V), hidden)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("chunking", ["auto", "on"])
+def test_policy_forward_fused_equals_autograd_graph_and_off(kind, chunking, tokenizer_dir):
+    """A real vocabulary (auto takes the head route, kept logits) and forced chunks (recomputed): log-probs,
+    entropy and every parameter's gradient equal the fused_lm_head=False route and the full logits."""
+    from conftest import gpt2_config, llama_config
+
+    from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer, policy_forward
+
+    vocab = 8192  # NO_GRAD_CHUNKING_VOCAB: "auto" takes the head route
+    config = (gpt2_config if kind == "gpt2" else llama_config)(vocab)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[2, -3:] = 0
+    real = mask[:, -5:].bool()
+    results = {}
+    for name, fields in {
+        "fused": dict(logits_chunking=chunking),
+        "graph": dict(logits_chunking=chunking, fused_lm_head=False),
+        "full": dict(logits_chunking="off"),
+    }.items():
+        spec = ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0, **fields)
+        model = build_causal_lm(spec, tokenizer).eval()
+        logprobs, entropy, _ = policy_forward(model, ids, mask, 5, temperature=0.8)
+        ((logprobs * real).sum() - 0.3 * (entropy * real).sum()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (logprobs[real], entropy[real], grads)
+    for name in ("graph", "full"):
+        for got, want in zip(results["fused"][:2], results[name][:2]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert results["fused"][2].keys() == results[name][2].keys()
+        for key, want in results[name][2].items():
+            scale = want.abs().max().item()
+            torch.testing.assert_close(results["fused"][2][key], want, rtol=1e-5, atol=1e-6 * scale, msg=key)
+
+
+def test_model_spec_switch(tokenizer_dir):
+    from conftest import llama_config
+
+    from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
+    from lit_rlhf.models.lm_head import head_settings, set_logits_chunking
+
+    with pytest.raises(ValueError, match="ModelSpec.fused_lm_head"):
+        ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, fused_lm_head="no")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    for fused in (True, False):
+        spec = ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, seed=0, fused_lm_head=fused)
+        assert head_settings(build_causal_lm(spec, tokenizer)) == {"force_chunks": False, "fused": fused}
+    with pytest.raises(TypeError, match="fused_lm_head"):
+        set_logits_chunking(torch.nn.Linear(2, 2), "auto", fused="yes")

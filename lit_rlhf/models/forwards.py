@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits
-from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_settings, head_token_scores
 from lit_rlhf.models.scoring import (
     _forward_kwargs,
     causal_lm_logits_and_hidden,
@@ -89,7 +89,7 @@ def _chunked_policy_forward(
     real = attention_mask[:, attention_mask.shape[1] - T :].bool()  # (B, T)
     scores = head_token_scores(
         head, hidden[real], labels[real], temperature, entropy=entropy, entropy_grad=entropy_grad,
-        force_chunks=forced_chunks(actor),
+        **head_settings(actor),
     )  # (N,) each, N real tokens
     values = None if value_head is None else value_head(hidden)  # (B, T)
     entropies = None if scores.entropy is None else scatter_tokens(scores.entropy, real)

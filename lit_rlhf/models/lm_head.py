@@ -43,7 +43,7 @@ __all__ = [
     "auto_chunks",
     "chunkable_head",
     "final_hidden_states",
-    "forced_chunks",
+    "head_settings",
     "head_token_scores",
     "set_logits_chunking",
 ]
@@ -74,6 +74,7 @@ _EXACT_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
 # Config fields of models that transform the logits after the head (Gemma 2/3, Cohere, Granite, ...).
 _POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _SETTING_ATTR = "_lit_rlhf_logits_chunking"
+_FUSED_ATTR = "_lit_rlhf_fused_lm_head"
 
 
 class TokenScores(NamedTuple):
@@ -84,9 +85,9 @@ class TokenScores(NamedTuple):
     argmax: torch.Tensor | None  # (N,) long, when asked for
 
 
-def set_logits_chunking(model: nn.Module, mode: LogitsChunking) -> None:
+def set_logits_chunking(model: nn.Module, mode: LogitsChunking, fused: bool = True) -> None:
     """Record on ``model`` whether its log-probs are computed with the chunked LM head
-    (``build_causal_lm`` records ``ModelSpec.logits_chunking``).
+    (``build_causal_lm`` records ``ModelSpec.logits_chunking`` and ``ModelSpec.fused_lm_head``).
 
     Args:
         model: a causal LM (plain or peft); the setting travels with copies (``frozen_copy``).
@@ -95,10 +96,15 @@ def set_logits_chunking(model: nn.Module, mode: LogitsChunking) -> None:
             elements (:func:`auto_chunks`); ``"on"`` always, chunked and recomputed even when small;
             ``"off"`` never; ``"auto"``/``"on"`` fall back to the plain path where the route is not exact
             (see :func:`chunkable_head`).
+        fused: with gradients, run a plain ``nn.Linear`` head's log-probs and entropy as one autograd
+            function (``lit_rlhf.models.fused_head``) instead of autograd's graph of the same operations.
     """
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"logits_chunking: expected 'auto', 'on' or 'off', got {mode!r}")
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused_lm_head: expected a bool, got {fused!r}")
     setattr(model, _SETTING_ATTR, mode)
+    setattr(model, _FUSED_ATTR, fused)
 
 
 def chunkable_head(model: nn.Module, n_tokens: int, mode: LogitsChunking | None = None) -> nn.Module | None:
@@ -141,9 +147,13 @@ def auto_chunks(n_tokens: int, vocab: int, grad: bool | None = None) -> bool:
     return vocab >= NO_GRAD_CHUNKING_VOCAB or (grad and n_tokens * vocab >= LOGITS_CHUNKING_THRESHOLD)
 
 
-def forced_chunks(model: nn.Module) -> bool:
-    """Whether ``model``'s setting is ``logits_chunking="on"`` (chunks even where they cost time)."""
-    return getattr(model, _SETTING_ATTR, "auto") == "on"
+def head_settings(model: nn.Module) -> dict[str, bool]:
+    """``model``'s recorded head-route settings as :func:`head_token_scores` arguments: ``force_chunks``
+    (``logits_chunking="on"``: chunks even where they cost time) and ``fused`` (``fused_lm_head``)."""
+    return {
+        "force_chunks": getattr(model, _SETTING_ATTR, "auto") == "on",
+        "fused": getattr(model, _FUSED_ATTR, True),
+    }
 
 
 def _whole_linear_weight(head: nn.Module) -> bool:
@@ -203,6 +213,7 @@ def head_token_scores(
     argmax: bool = False,
     chunk_elements: int | None = None,
     force_chunks: bool = False,
+    fused: bool = True,
 ) -> TokenScores:
     """Log-probs (and entropy, argmax) of ``head(hidden) / temperature``, a chunk of tokens at a time.
 
@@ -218,6 +229,9 @@ def head_token_scores(
         force_chunks: with gradients, chunk (and recompute) even below ``LOGITS_CHUNKING_THRESHOLD``
             logits (``logits_chunking="on"``). Otherwise, with gradients and fewer logits than that (and
             no ``chunk_elements``), the head runs on all N tokens at once and nothing is recomputed.
+        fused: with gradients and a plain ``nn.Linear`` head, compute through
+            :func:`~lit_rlhf.models.fused_head.fused_head_token_scores` (same values; its backward holds
+            no (N, V) tensor beyond the kept logits, or one recomputed chunk, and one weight gradient).
 
     Returns:
         :class:`TokenScores`, each (N,).
@@ -230,7 +244,7 @@ def head_token_scores(
     default_chunk = _CHUNK_ELEMENTS if grad else _NO_GRAD_CHUNK_ELEMENTS
     tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab) if not (grad and small) else n_tokens
 
-    if grad and n_tokens and fusable_head(head, hidden):  # one autograd function: see models/fused_head.py
+    if fused and grad and n_tokens and fusable_head(head, hidden):  # one autograd function: see models/fused_head.py
         chunk_tokens = max(1, (chunk_elements or _CHUNK_ELEMENTS) // vocab)
         logp, ent, top = fused_head_token_scores(
             hidden, labels, head.weight, head.bias, temperature=temperature, tokens_per_chunk=chunk_tokens,

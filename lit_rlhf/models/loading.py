@@ -120,7 +120,7 @@ def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.M
                 spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code
             )
         model = _prepare(model, spec, tokenizer, "CAUSAL_LM")
-    set_logits_chunking(model, spec.logits_chunking)
+    set_logits_chunking(model, spec.logits_chunking, spec.fused_lm_head)
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import logprobs_from_logits, masked_sum
-from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_settings, head_token_scores
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ def next_token_logprobs(
         return logprobs, predicted
     hidden = final_hidden_states(model, head, _forward_kwargs(input_ids, attention_mask))  # (B, L, H)
     scores = head_token_scores(
-        head, hidden[:, :-1][score_mask], labels[score_mask], argmax=argmax, force_chunks=forced_chunks(model)
+        head, hidden[:, :-1][score_mask], labels[score_mask], argmax=argmax, **head_settings(model)
     )  # (N,)
     logprobs = scatter_tokens(scores.logprobs, score_mask)
     predicted = labels.new_full(labels.shape, -1).masked_scatter(score_mask, scores.argmax) if argmax else None

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import entropy_from_logits, logprobs_from_logits, masked_sum
-from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, forced_chunks, head_token_scores
+from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_settings, head_token_scores
 from lit_rlhf.models.scoring import scatter_tokens, token_values
 
 __all__ = [
@@ -328,7 +328,7 @@ def packed_token_scores(
         hidden = final_hidden_states(model, head, layout.forward_kwargs(), kept)  # (G, kept, H)
         hidden = layout.gather(hidden, layout.predict_index[real])  # (n, H)
         scores = head_token_scores(
-            head, hidden, layout.labels[real], temperature, entropy, entropy_grad, force_chunks=forced_chunks(model)
+            head, hidden, layout.labels[real], temperature, entropy, entropy_grad, **head_settings(model)
         )  # (n,)
         entropies = None if scores.entropy is None else scatter_tokens(scores.entropy, real)
         return scatter_tokens(scores.logprobs, real), entropies

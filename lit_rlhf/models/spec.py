@@ -43,6 +43,12 @@ class ModelSpec:
             splits into recomputed chunks only from 2**24 logits on. Equal results either way;
             architectures or FSDP sharding where the route is not exact (logit softcapping, a sharded
             head) always take the full-logits path.
+        fused_lm_head: on the head route with gradients, compute a plain ``nn.Linear`` head's log-probs
+            and entropy as one autograd function whose backward turns the kept (or, when chunked,
+            recomputed) float32 logits into their gradient in place and sums the head's weight gradient
+            into one buffer (``lit_rlhf.models.fused_head``); ``False`` leaves it to autograd's graph of
+            the same operations, which holds several (tokens x vocabulary) tensors in the backward.
+            Equal values; peft-wrapped or quantised heads and autocast always take autograd's graph.
     """
 
     name_or_path: str | None = None
@@ -54,6 +60,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     seed: int | None = None
     logits_chunking: LogitsChunking = "auto"
+    fused_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -78,6 +85,8 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec.logits_chunking: expected 'auto', 'on' or 'off', got {self.logits_chunking!r}"
             )
+        if not isinstance(self.fused_lm_head, bool):
+            raise ValueError(f"ModelSpec.fused_lm_head: expected true or false, got {self.fused_lm_head!r}")
         if self.lora is not None:
             self._check_lora()
 

@@ -35,6 +35,8 @@ ABLATIONS = {
     "LM head on real tokens (W1)": (W1, {"actor": {"logits_chunking": "off"}}),
     "least-cost bucketing": (W3, {"bucketing": {"split_cost": None}}),
     "LM head on real tokens (W3)": (W3, {"actor": {"logits_chunking": "off"}}),
+    "fused LM-head backward (W1)": (W1, {"actor": {"fused_lm_head": False}}),
+    "fused LM-head backward (W3)": (W3, {"actor": {"fused_lm_head": False}}),
 }
 PHASES = ("generation", "scoring", "update")
 
