@@ -122,7 +122,7 @@ def tables(results: dict, a: str, b: str) -> list[str]:
     out = []
     for name, pairs in runs.items():
         if name == "control_ppo":
-            out.append(ppo_table(pairs, a, b, PPO, rss_target="<= 0.8x"))
+            out.append(ppo_table(pairs, a, b, PPO, rss_target="<= 0.8x", target=">= 1.0x"))
         elif name in titled:
             run = pairs[0][0]
             title = f"{titled[name]}, {run['actor_params'] / 1e6:.1f}M-parameter Llama actor"

@@ -117,9 +117,10 @@ def summary_table(summ: dict[str, dict], a: str, b: str) -> str:
 
 def ppo_table(
     pairs: list[tuple[dict, dict]], a: str, b: str, settings: dict, title: str | None = None,
-    unit: str = "rollout tokens/s", rss_target: str = "<= 0.8x",
+    unit: str = "rollout tokens/s", rss_target: str = "<= 0.8x", target: str = ">= 2.0x",
 ) -> str:  # fmt: skip
-    """Rollout workloads (control PPO, W1 GRPO, W3 PPO): throughput, phases, peak RSS."""
+    """Rollout workloads (control PPO, W1 GRPO, W3 PPO): throughput (``target`` of its ratio), phases, peak
+    RSS (``rss_target``)."""
     sa = [ppo_run_stats(ra) for ra, _ in pairs]
     sb = [ppo_run_stats(rb) for _, rb in pairs]
 
@@ -137,8 +138,8 @@ def ppo_table(
         f"### {title}; {len(run['rollouts']) - 1} timed rollouts per run, {len(pairs)} runs each",
         "",
         *_header(a, b),
-        _row(f"{unit} (wall)", col(sa, "tok_s"), col(sb, "tok_s"), ">= 2.0x"),
-        _row(f"{unit} per CPU-second", col(sa, "cpu_tok_s"), col(sb, "cpu_tok_s"), ">= 2.0x"),
+        _row(f"{unit} (wall)", col(sa, "tok_s"), col(sb, "tok_s"), target),
+        _row(f"{unit} per CPU-second", col(sa, "cpu_tok_s"), col(sb, "cpu_tok_s"), target),
     ]
     if "tokens" in sa[0]:
         lines.append(_row("response tokens / rollout (mean)", col(sa, "tokens"), col(sb, "tokens")))
