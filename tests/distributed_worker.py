@@ -73,6 +73,8 @@ def make_trainer(args, run: str, **kwargs) -> Trainer:
 
 
 def read_csv(out: str, run: str) -> list[dict[str, float]]:
+    if dist.is_initialized():  # rank 0's logger writes the file as its fit ends: wait for every rank's
+        dist.barrier()
     with open(Path(out) / run / "version_0" / "metrics.csv") as f:
         return [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
@@ -165,9 +167,14 @@ def ppo_module(args, lora: bool) -> RecordingPPO:
     # Whitening (rewards and advantages) uses the moments of all ranks; token-mean losses are per rank,
     # so runs match the single process exactly when every response has the full length T (asserted by
     # the test).
+    # The plain run takes the LM-head route with its fused backward (logits_chunking "on"; FSDP's sharded
+    # head falls back to the full logits), the LoRA run the full-logits path.
     lora_cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    chunking = "auto" if lora else "on"
     return RecordingPPO(
-        actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0, lora=lora_cfg),
+        actor=ModelSpec(
+            config=llama_config(), tokenizer=args.tokenizer, seed=0, lora=lora_cfg, logits_chunking=chunking
+        ),
         reward_fn="ppo_rewards:e_rate",
         share_critic_backbone=lora,
         generation=GenerationSettings(max_new_tokens=6, top_k=1),

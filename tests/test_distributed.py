@@ -40,7 +40,9 @@ def run(tokenizer_dir, tmp_path_factory):
                 cmd.append("--resume")
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-4000:]
+            # torchrun prefixes each rank's own traceback with [rankN]: show those, not the launcher's
+            ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+            assert proc.returncode == 0, (ranks or proc.stderr)[-6000:]
             cache[strategy, runs] = json.loads((out / "results.json").read_text())
         return cache[strategy, runs]
 

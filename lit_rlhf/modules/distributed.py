@@ -219,7 +219,26 @@ def gather_for_export(module: LightningModule, model: nn.Module) -> nn.Module | 
         return None
     fresh = _empty_like(unwrap(model), next(t.dtype for t in state.values() if t.is_floating_point()))
     fresh.load_state_dict(state)
+    copy_unloaded_buffers(fresh, unwrap(model), state.keys())
     return fresh
+
+
+def copy_unloaded_buffers(fresh: nn.Module, source: nn.Module, loaded: Iterable[str]) -> None:
+    """Copy into ``fresh`` the buffers a state dict does not carry (non-persistent ones, e.g. RoPE's
+    ``inv_freq``), from ``source``, matched by name (FSDP1's wrapper segments removed): ``to_empty``
+    leaves them uninitialised memory, which the export's finiteness check then read as NaN at random."""
+    loaded = set(loaded)
+    live = {_plain_name(name): buffer for name, buffer in source.named_buffers()}
+    with torch.no_grad():
+        for name, buffer in fresh.named_buffers():
+            if name not in loaded and name in live:
+                buffer.copy_(live[name].detach().to(buffer.device))
+
+
+def _plain_name(name: str) -> str:
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _original_class(model: nn.Module) -> type[nn.Module]:
