@@ -8,14 +8,15 @@ the float32 scaled logits (``keep_logits``: no matmul recomputed) or nothing of 
 recomputed in the backward), and the backward turns each chunk of them into its gradient in place
 (:func:`~lit_rlhf.functional.label_logprobs_and_entropy_grad_`) and accumulates the weight gradient into
 one (V, H) buffer: the update's peak holds one chunk beyond the kept logits (the fused linear
-cross-entropy of Liger-Kernel, arXiv 2410.10989 Sec. 3.3, for a log-prob and an entropy instead of a loss).
+cross-entropy of Liger-Kernel, arXiv 2410.10989, for a log-prob and an entropy instead of a loss).
 
 Same operations as the plain path in the forward (``scaled_label_scores`` on each chunk), so the
 outputs are equal; the gradients equal autograd's up to the order of float sums. Used only with gradients,
 for a plain ``nn.Linear`` head with floating-point weights outside autocast (:func:`fusable_head`);
 everything else (a peft-wrapped or quantised head, autocast) takes the checkpointed route of
-``lit_rlhf.models.lm_head``. The kept logits are overwritten by the backward, so a second backward
-through the same graph (``retain_graph=True``) raises autograd's in-place modification error.
+``lit_rlhf.models.lm_head``. Kept logits are overwritten by the backward, so a second backward through
+the same graph (``retain_graph=True``) raises autograd's in-place modification error; recomputed ones
+allow it.
 
 Shapes: N scored tokens, H hidden size, V vocabulary, n tokens of one chunk.
 """
