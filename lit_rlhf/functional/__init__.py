@@ -27,6 +27,7 @@ from lit_rlhf.functional.logprobs import (
     label_logprobs_and_entropy_grad_,
     logprobs_from_logits,
     scaled_label_scores,
+    scaled_logits,
 )
 from lit_rlhf.functional.losses import (
     DPO_LOSS_TYPES,
@@ -85,6 +86,7 @@ __all__ = [
     "label_logprobs_and_entropy_grad_",
     "logprobs_from_logits",
     "scaled_label_scores",
+    "scaled_logits",
     "masked_mean",
     "masked_moments",
     "masked_row_sum",

@@ -24,6 +24,7 @@ __all__ = [
     "label_logprobs_and_entropy_grad_",
     "logprobs_from_logits",
     "scaled_label_scores",
+    "scaled_logits",
 ]
 
 # Logits upcast to float32 at a time: 2**24 elements = 64 MiB of float32 per slice.
@@ -81,7 +82,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     _check_logits("entropy_from_logits", logits, temperature)
 
     def entropy(chunk: torch.Tensor) -> torch.Tensor:
-        z = _scaled(chunk, temperature)
+        z = scaled_logits(chunk, temperature)
         return _entropy(z, torch.logsumexp(z, dim=-1))
 
     return _apply_chunked(entropy, logits)
@@ -105,7 +106,7 @@ def label_logprobs_and_entropy(
     Returns:
         log-probs (...) and entropy (...) or None, float32 (float64 kept).
     """
-    logp, ent, _ = scaled_label_scores(_scaled(logits, temperature), labels, entropy)
+    logp, ent, _ = scaled_label_scores(scaled_logits(logits, temperature), labels, entropy)
     return logp, ent
 
 
@@ -184,8 +185,9 @@ def _check_logits(fn: str, logits: torch.Tensor, temperature: float) -> None:
     check_number(fn, "temperature", temperature, low=0.0, low_inclusive=False)
 
 
-def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    # Upcast before dividing so the division itself happens in float32.
+def scaled_logits(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(..., V) logits -> z = logits / temperature in float32 (float64 kept); upcast before dividing, so
+    the division itself happens in float32. float32 logits at temperature 1 come back as the same tensor."""
     z = as_float(chunk)
     return z if temperature == 1.0 else z / temperature
 

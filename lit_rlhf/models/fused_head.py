@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as torch_f
 
-from lit_rlhf.functional import label_logprobs_and_entropy_grad_, scaled_label_scores
+from lit_rlhf.functional import label_logprobs_and_entropy_grad_, scaled_label_scores, scaled_logits
 
 __all__ = ["fused_head_token_scores", "fusable_head"]
 
@@ -79,7 +79,7 @@ class _FusedHeadScores(torch.autograd.Function):
         logprobs, entropies, lses, tops, kept = [], [], [], [], []
         for h, y in zip(hidden.split(tokens_per_chunk), labels.split(tokens_per_chunk)):
             logits = torch_f.linear(h, weight, bias)  # (n, V) in the weight's dtype
-            z = _scaled(logits, temperature)  # (n, V) float32
+            z = scaled_logits(logits, temperature)  # (n, V) float32
             logp, ent, lse = scaled_label_scores(z, y, entropy=want_entropy)  # (n,), (n,) | None, (n,)
             logprobs.append(logp)
             lses.append(lse)
@@ -109,7 +109,7 @@ class _FusedHeadScores(torch.autograd.Function):
         for i, h in enumerate(hidden.split(tokens_per_chunk)):
             rows = slice(start, start + h.shape[0])
             start = rows.stop
-            z = kept[i] if keep_logits else _scaled(torch_f.linear(h, weight, bias), temperature)  # (n, V)
+            z = kept[i] if keep_logits else scaled_logits(torch_f.linear(h, weight, bias), temperature)  # (n, V)
             grad_z = label_logprobs_and_entropy_grad_(
                 z, labels[rows], lse[rows], grad_logprobs[rows],
                 None if grad_entropies is None else grad_entropies[rows], entropies[rows], temperature,
@@ -125,9 +125,3 @@ class _FusedHeadScores(torch.autograd.Function):
             grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
             grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
         return grad_hidden, None, grad_weight, grad_bias, None
-
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 (float64 kept) logits / temperature, a fresh tensor the backward may overwrite."""
-    z = logits if logits.dtype == torch.float64 else logits.float()
-    return z if temperature == 1.0 else z / temperature

@@ -240,17 +240,17 @@ def head_token_scores(
     vocab = head.weight.shape[0]  # (V, H); peft wrappers expose their base layer's weight
     grad = torch.is_grad_enabled()
     small = chunk_elements is None and not force_chunks and n_tokens * vocab < LOGITS_CHUNKING_THRESHOLD
-    use_checkpoint = grad and not small  # recompute a chunk's logits in backward only where memory asks
     default_chunk = _CHUNK_ELEMENTS if grad else _NO_GRAD_CHUNK_ELEMENTS
-    tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab) if not (grad and small) else n_tokens
-
-    if fused and grad and n_tokens and fusable_head(head, hidden):  # one autograd function: see models/fused_head.py
-        chunk_tokens = max(1, (chunk_elements or _CHUNK_ELEMENTS) // vocab)
+    tokens_per_chunk = max(1, (chunk_elements or default_chunk) // vocab)
+    if fused and grad and n_tokens and fusable_head(head, hidden):  # one autograd function: models/fused_head.py
         logp, ent, top = fused_head_token_scores(
-            hidden, labels, head.weight, head.bias, temperature=temperature, tokens_per_chunk=chunk_tokens,
+            hidden, labels, head.weight, head.bias, temperature=temperature, tokens_per_chunk=tokens_per_chunk,
             entropy=entropy, entropy_grad=entropy_grad, argmax=argmax, keep_logits=small,
         )  # fmt: skip
         return TokenScores(logp, ent, top)
+    use_checkpoint = grad and not small  # recompute a chunk's logits in backward only where memory asks
+    if grad and small:
+        tokens_per_chunk = n_tokens  # all at once, nothing recomputed
 
     def score(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits = head(h)  # (n, V), recomputed in backward
