@@ -1,4 +1,6 @@
-"""The experience of one online-RL rollout, the replay buffer over it, and response generation.
+"""The experience of one online-RL rollout, the replay buffer over it, and the generation settings.
+
+Response generation lives in ``lit_rlhf.engines.hf_generate``; its functions are re-exported here.
 
 Shapes: B rollout rows, P prompt length (left-padded), T response length (right-padded).
 Field names are those of the PPO batch in seeds/002.
@@ -10,13 +12,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
 
 from lit_rlhf.batching import trim_prompt_response
-from lit_rlhf.models import position_ids_from_mask
-from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
-from lit_rlhf.models.prefill import is_grouped, prefill_groups
-from lit_rlhf.models.sampling import SAMPLERS, InverseCDFSampler, resolve_sampler
+from lit_rlhf.models.sampling import SAMPLERS
 
 GROUP_PREFILL_CHOICES = ("auto", "always", "never")
 # "auto" shares the prefill from this padded prompt width on (measured with scripts/bench/prefill_bench.py)
@@ -127,139 +125,18 @@ class GenerationSettings:
         return asdict(self)
 
 
-def response_mask_from_tokens(
-    responses: torch.Tensor, stop_token_ids: list[int], pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of real response tokens: up to and including the first stop token, never padding.
-
-    Args:
-        responses: (B, T) generated token ids (``generate`` pads finished rows with ``pad_token_id``).
-        stop_token_ids: ids that end a response (EOS and configured stops).
-        pad_token_id: the tokenizer's dedicated pad id (it is suppressed during sampling).
-
-    Returns:
-        response_mask: (B, T) bool, 1 = real token.
-        has_stop: (B,) bool, True where the response contains a stop token.
-    """
-    is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))
-    stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()
-    response_mask = (stops_before == 0) & (responses != pad_token_id)
-    return response_mask, is_stop.any(dim=1)
-
-
-def generation_kwargs(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    settings: GenerationSettings,
-    stop_ids: list[int],
-    pad_token_id: int,
-    tokenizer: object | None = None,
-    synced_gpus: bool = False,
-    greedy: bool = False,
-    vocab_size: int | None = None,
-) -> dict:
-    """Keyword arguments of ``model.generate`` for one rollout (see :func:`generate_responses`).
-
-    Position ids are given explicitly, computed from the mask as the scoring forwards do: some models
-    (GPT-2) otherwise generate left-padded rows at shifted positions, so the sampling distribution
-    would differ from the one ``old_logprobs`` are computed under. ``greedy`` decodes by argmax (an
-    evaluation setting; the sampling fields of ``settings`` are then not passed). Sampling by inverse CDF
-    (``settings.sampler``) also runs a greedy ``generate``, whose argmax takes the token drawn by the
-    ``InverseCDFSampler`` in ``logits_processor`` (``vocab_size``: the model's, for the ``"auto"`` sampler).
-    """
-    if greedy:
-        sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-    elif resolve_sampler(settings.sampler, input_ids.device, vocab_size) == "inverse_cdf":
-        # drawn by the last logits processor, after generate's own ones (the suppressed pad, ...)
-        sampler = InverseCDFSampler(settings.temperature, settings.top_k, settings.top_p)
-        sampling = dict(
-            do_sample=False, temperature=None, top_k=None, top_p=None, logits_processor=LogitsProcessorList([sampler])
-        )
-    else:
-        sampling = dict(
-            do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None, top_p=settings.top_p
-        )
-    return dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        max_new_tokens=settings.max_new_tokens,
-        **sampling,
-        eos_token_id=stop_ids,
-        pad_token_id=pad_token_id,
-        suppress_tokens=[pad_token_id],
-        stop_strings=settings.stop_strings or None,
-        tokenizer=tokenizer if settings.stop_strings else None,
-        use_cache=True,
-        synced_gpus=synced_gpus,
-    )
-
-
-@torch.no_grad()
-def generate_responses(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    settings: GenerationSettings,
-    *,
-    eos_token_id: int,
-    pad_token_id: int,
-    tokenizer: object | None = None,
-    synced_gpus: bool = False,
-    greedy: bool = False,
-    group_size: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
-
-    Args:
-        model: causal LM (or peft model) with ``generate``.
-        input_ids: (B, P) left-padded prompts; attention_mask: (B, P).
-        settings: sampling settings.
-        eos_token_id, pad_token_id: the tokenizer's ids; pad is never sampled.
-        tokenizer: needed by ``generate`` only when ``settings.stop_strings`` is set.
-        synced_gpus: keep every rank generating until all are done (sharded models hang otherwise).
-        greedy: argmax decoding instead of sampling (evaluation only: a rollout must be sampled).
-        group_size: K when the rows come in contiguous groups of K copies of one prompt (what
-            ``expand_prompts`` of the online modules builds); the prefill is then shared per group where
-            ``settings.shares_prefill`` says so.
-
-    Returns:
-        responses: (B, T) token ids, T <= max_new_tokens, padding after the stop;
-        response_mask: (B, T) bool; truncated: (B,) bool, no stop within the length limit.
-
-    Raises:
-        ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
-    """
-    stop_ids = [eos_token_id, *settings.stop_token_ids]
-    kwargs = generation_kwargs(
-        input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy,
-        vocab_size=output_vocab_size(model),
-    )  # fmt: skip
-    if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
-        if not is_grouped(input_ids, attention_mask, group_size):
-            raise ValueError(
-                f"generate_responses: group_size={group_size}, but the {input_ids.shape[0]} prompt rows are "
-                f"not contiguous groups of {group_size} copies of one prompt"
-            )
-        cache = prefill_groups(model, input_ids, attention_mask, group_size)
-        if cache is not None:
-            kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
-    with transposed_lm_head(model, enabled=settings.transposed_head):
-        out = model.generate(**kwargs)
-    responses = out[:, input_ids.shape[1] :]
-    response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
-    lengths = response_mask.sum(dim=1)
-    # A row without a stop id that ended early was stopped by a stop string.
-    truncated = ~has_stop & (lengths >= settings.max_new_tokens)
-    return responses, response_mask, truncated
-
-
 @dataclass
 class Rollout:
-    """One rollout's experience (seeds/002's PPO batch), detached, on one device.
+    """One rollout's experience (the PPO batch of Ouyang et al. 2022, arXiv:2203.02155), detached, on one device.
 
     A critic-free rollout has no ``old_values`` and ``returns`` (None), and ``rewards`` only where the
     estimator shapes per-token rewards (REINFORCE++).
+
+    Two masks: ``response_mask`` says which response tokens exist (the attention, with the prompt's part in
+    ``attention_mask``), ``loss_mask`` which of them the policy emitted and learns from. In a single-turn
+    rollout they are equal; a multi-turn one has holes in ``loss_mask`` where tool or environment tokens
+    are, which are attended to but get no ratio, KL, entropy or advantage. Every loss, KL, advantage,
+    whitening and metric uses ``loss_mask``.
 
     Attributes:
         input_ids: (B, P+T) prompt (left-padded) followed by the response (right-padded).
@@ -274,6 +151,9 @@ class Rollout:
         scores: (B,) float32 sequence-level reward-model / reward-function scores.
         rows: (B,) long, the rows of the buffered rollout these rows are (set by
             ``ReplayBuffer.minibatches``, so a loss can write per-row outputs back; None as built).
+        loss_mask: (B, T) bool, the tokens learned from (None as built = ``response_mask``).
+        behavior_logprobs: (B, T) float32 log-probs of the tokens under the distribution the engine
+            sampled them from (``lit_rlhf.engines.Responses.logprobs``; None when the engine gives none).
 
     ``old_logprobs`` is None when the update computes them: one on-policy optimiser step per rollout,
     see :class:`UpdateRecord`.
@@ -290,6 +170,12 @@ class Rollout:
     returns: torch.Tensor | None
     scores: torch.Tensor
     rows: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    behavior_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask.bool()
 
     @property
     def batch_size(self) -> int:
@@ -321,3 +207,21 @@ class Rollout:
                 continue
             trimmed[f.name] = value[:, columns] if f.name in ("input_ids", "attention_mask") else value[:, :t]
         return replace(self, **trimmed)
+
+
+# Re-exported from their new home, imported last: lit_rlhf.engines may import this module's classes.
+from lit_rlhf.engines.hf_generate import (  # noqa: E402
+    generate_responses,
+    generation_kwargs,
+    response_mask_from_tokens,
+)
+
+__all__ = [
+    "GROUP_PREFILL_CHOICES",
+    "GROUP_PREFILL_MIN_PROMPT_TOKENS",
+    "GenerationSettings",
+    "Rollout",
+    "generate_responses",
+    "generation_kwargs",
+    "response_mask_from_tokens",
+]

@@ -79,10 +79,17 @@ def test_gamma_lambda_one_gives_reward_to_go():
         torch.testing.assert_close(returns[b, :n], reward_to_go)
 
 
-def test_bad_masks_and_coefficients():
+def test_leading_hole_is_skipped():
+    # a row whose loss mask starts with a hole (0 1 1) is the row of its last two tokens (1 1)
+    rewards, values = torch.tensor([[NAN, 0.1, 1.0]]), torch.tensor([[INF, 0.5, 0.3]])
+    advantages, returns = compute_gae(rewards, values, torch.tensor([[0, 1, 1]]), 0.9, 0.8)
+    compact_adv, compact_ret = compute_gae(rewards[:, 1:], values[:, 1:], torch.ones(1, 2), 0.9, 0.8)
+    assert torch.equal(advantages, torch.cat([torch.zeros(1, 1), compact_adv], dim=1))
+    assert torch.equal(returns, torch.cat([torch.zeros(1, 1), compact_ret], dim=1))
+
+
+def test_bad_coefficients_and_shapes():
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"row\(s\) \[1\] have a real token after padding"):
-        compute_gae(x, x, torch.tensor([[1, 1, 0], [0, 1, 1]]), 0.9, 0.9)
     with pytest.raises(ValueError, match="gamma"):
         compute_gae(x, x, torch.ones(2, 3), 1.5, 0.9)
     with pytest.raises(ValueError, match="gae_lambda"):

@@ -71,8 +71,12 @@ def _generate_both(model, tok, ids, mask, settings, greedy=False, group_size=K):
 
 
 def _assert_same(unshared, shared, rngs) -> None:
-    for a, b in zip(unshared, shared):  # responses, response_mask, truncated
+    for a, b in zip(unshared[:3], shared[:3]):  # ids, mask, truncated
         assert torch.equal(a, b)
+    for a, b in zip(unshared[3:], shared[3:]):  # logprobs, log_kept_mass: the same up to float rounding
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     torch.testing.assert_close(*rngs, rtol=0, atol=0)  # the same random draws were consumed
 
 
@@ -88,7 +92,7 @@ def test_shared_prefill_generates_the_unshared_responses(tokenizer_dir, config, 
     settings = GenerationSettings(max_new_tokens=12, temperature=0.9, num_samples=K, sampler=sampler)
     unshared, shared, rngs = _generate_both(model, tok, ids, mask, settings, greedy)
     _assert_same(unshared, shared, rngs)
-    responses, response_mask, truncated = shared
+    responses, response_mask, truncated = shared[:3]
     assert response_mask.any(dim=1).all() and responses.shape[1] >= 2
     if greedy:  # the K copies of a prompt decode to the same response
         assert torch.equal(responses[::K], responses[1::K]) and torch.equal(responses[::K], responses[2::K])
@@ -103,7 +107,7 @@ def test_stop_token_ids_and_top_k_top_p(tokenizer_dir, config):
     # the most frequent sampled tokens of an unconstrained run become stop ids, so some rows stop on them
     torch.manual_seed(0)
     settings = GenerationSettings(max_new_tokens=16, num_samples=K, top_k=50, top_p=0.95)
-    probe, probe_mask, _ = generate_responses(
+    probe, probe_mask, *_ = generate_responses(
         model, ids, mask, replace(settings, group_prefill="never"),
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
@@ -111,7 +115,7 @@ def test_stop_token_ids_and_top_k_top_p(tokenizer_dir, config):
     settings = replace(settings, stop_token_ids=stop_ids)
     unshared, shared, rngs = _generate_both(model, tok, ids, mask, settings)
     _assert_same(unshared, shared, rngs)
-    responses, response_mask, truncated = shared
+    responses, response_mask, truncated = shared[:3]
     stopped = torch.isin(responses, torch.tensor(stop_ids)).any(dim=1)
     assert stopped.any() and (~truncated).any()
 
@@ -171,8 +175,8 @@ def test_unsupported_cache_falls_back_to_the_unshared_generation(tokenizer_dir):
         torch.manual_seed(7)
         outs.append(generate_responses(model, ids, mask, replace(settings, group_prefill=mode),
                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))  # fmt: skip
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for a, b in zip(*outs):  # both unshared: the same computation
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_rows_that_are_not_groups_are_refused(tokenizer_dir):
@@ -203,11 +207,11 @@ def test_settings_switch():
 
 def test_grpo_fit_logs_the_same_metrics(tokenizer_dir, tmp_path, monkeypatch):
     # A CriticFreeModule (GRPO, K = 4) fit with the shared prefill logs exactly what the unshared one does.
-    import lit_rlhf.rollout
+    import lit_rlhf.engines.hf_generate
 
     prefills = []
     counted = lambda *args: prefills.append(args[1].shape) or prefill_groups(*args)  # noqa: E731
-    monkeypatch.setattr(lit_rlhf.rollout, "prefill_groups", counted)
+    monkeypatch.setattr(lit_rlhf.engines.hf_generate, "prefill_groups", counted)
     rows = {}
     for mode in ("never", "always"):
         torch.manual_seed(0)

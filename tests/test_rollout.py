@@ -67,7 +67,7 @@ def test_generate_responses_masks_after_eos_and_flags_truncation(tokenizer_dir):
         model.transformer.wte.weight[tok.eos_token_id] += 0
     batch = next(iter(prompt_loader(tokenizer_dir, n=8, batch_size=8)))
     torch.manual_seed(0)
-    responses, mask, truncated = generate_responses(
+    responses, mask, truncated, *_ = generate_responses(
         model, batch["input_ids"], batch["attention_mask"], GenerationSettings(max_new_tokens=5),
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
 from lit_rlhf.models.sampling import (
     INVERSE_CDF_MIN_VOCAB,
     InverseCDFSampler,
+    MultinomialRecorder,
     inverse_cdf_sample,
     resolve_sampler,
 )
@@ -140,9 +141,9 @@ def test_generate_samples_the_warped_model_distribution(tokenizer_dir):
     kept = logits.topk(5).indices.tolist()
     settings = GenerationSettings(max_new_tokens=1, temperature=0.7, top_k=5, sampler="inverse_cdf")
     torch.manual_seed(0)
-    responses, _, _ = generate_responses(
+    responses = generate_responses(
         model, ids, mask, settings, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    ).ids
     expected = _softmax_over(logits.tolist(), kept, 0.7)
     assert max(expected) < 0.9, "a distribution worth testing"
     assert set(responses[:, 0].unique().tolist()) <= set(kept)
@@ -154,14 +155,14 @@ def test_generate_responses_with_stops_and_no_warning(tokenizer_dir, caplog):
     ids, mask = _prompts(tok, 16)
     settings = GenerationSettings(max_new_tokens=12, temperature=0.9, top_p=0.95, stop_strings=["e"])
     torch.manual_seed(0)
-    probe, probe_mask, _ = generate_responses(
+    probe, probe_mask, *_ = generate_responses(
         model, ids, mask, settings, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tokenizer=tok
     )
     settings = replace(settings, stop_token_ids=probe[probe_mask].bincount().topk(2).indices.tolist())
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
-        responses, response_mask, truncated = generate_responses(
+        responses, response_mask, truncated, *_ = generate_responses(
             model, ids, mask, settings, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
             tokenizer=tok,
         )  # fmt: skip
@@ -181,10 +182,12 @@ def test_multinomial_reproduces_hugging_face_sampling(tokenizer_dir):
     ids, mask = _prompts(tok, 8)
     settings = GenerationSettings(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.9, sampler="multinomial")
     kwargs = generation_kwargs(ids, mask, settings, [tok.eos_token_id], tok.pad_token_id)
-    assert kwargs["do_sample"] and "logits_processor" not in kwargs
+    # generate's own warpers are off: the last processor applies them (and records the log-probs)
+    assert kwargs["do_sample"] and (kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]) == (None, None, None)
+    assert [type(p) for p in kwargs["logits_processor"]] == [MultinomialRecorder]
     torch.manual_seed(3)
-    ours, _, _ = generate_responses(model, ids, mask, settings, eos_token_id=tok.eos_token_id,
-                                    pad_token_id=tok.pad_token_id)  # fmt: skip
+    ours = generate_responses(model, ids, mask, settings, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id).ids  # fmt: skip
     torch.manual_seed(3)
     hf = model.generate(
         input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=40, top_p=0.9,

@@ -1,12 +1,13 @@
 """Pure tensor math of RLHF: no Lightning, no transformers, no I/O.
 
-Shapes: B batch, T response length, V vocabulary. Masks are 1/True for real tokens. Log-probs and
-everything computed from them are float32. See DESIGN.md "functional/ — the public math API".
+Shapes: B batch, T response length, V vocabulary. Log-probs and everything computed from them are
+float32. A (B, T) mask is the loss mask: 1/True on the tokens learned from. It may have holes (tool or
+environment tokens between the model's tokens of a multi-turn rollout), which are skipped as if removed:
+every result equals that of the same inputs with the hole positions deleted (rows compacted left), and
+(B, T) outputs are 0 at the holes. A right-padded mask (1...1 0...0) is the case without holes.
 """
 
 from lit_rlhf.functional.advantages import (
-    GROUP_ESTIMATORS,
-    SEQUENCE_ESTIMATORS,
     compute_gae,
     discounted_returns,
     fill_dropped_scores,
@@ -14,7 +15,8 @@ from lit_rlhf.functional.advantages import (
     rloo_advantages,
     sequence_advantages,
 )
-from lit_rlhf.functional.kl import KL_ESTIMATORS, kl_penalty, kl_shaped_rewards, masked_kl
+from lit_rlhf.functional.behavior import BEHAVIOR_MISMATCH_STATS, behavior_mismatch_stats
+from lit_rlhf.functional.kl import kl_penalty, kl_shaped_rewards, masked_kl
 from lit_rlhf.functional.kl_controllers import (
     AdaptiveKLController,
     FixedKLController,
@@ -31,8 +33,6 @@ from lit_rlhf.functional.logprobs import (
 )
 from lit_rlhf.functional.losses import (
     DPO_LOSS_TYPES,
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_AGGREGATIONS,
     aggregate_loss,
     aggregation_weight,
     clipped_value_loss,
@@ -42,8 +42,19 @@ from lit_rlhf.functional.losses import (
     ppo_policy_loss,
     reference_kl_loss,
 )
+from lit_rlhf.functional.registry import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    SEQUENCE_ESTIMATORS,
+    AdvantageEstimatorInfo,
+)
 from lit_rlhf.functional.stats import (
     as_groups,
+    compact_left,
     explained_variance,
     group_score_stats,
     masked_mean,
@@ -52,10 +63,17 @@ from lit_rlhf.functional.stats import (
     masked_sum,
     masked_var,
     masked_whiten,
+    scatter_back,
     whiten_from_moments,
 )
+from lit_rlhf.functional.truncation import truncated_logprobs
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimatorInfo",
+    "BEHAVIOR_MISMATCH_STATS",
+    "POLICY_LOSSES",
+    "behavior_mismatch_stats",
     "GROUP_ESTIMATORS",
     "SEQUENCE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
@@ -70,6 +88,7 @@ __all__ = [
     "aggregation_weight",
     "as_groups",
     "clipped_value_loss",
+    "compact_left",
     "compute_gae",
     "fill_dropped_scores",
     "discounted_returns",
@@ -93,10 +112,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "scatter_back",
     "whiten_from_moments",
     "pairwise_reward_loss",
     "ppo_policy_loss",
     "reference_kl_loss",
     "rloo_advantages",
     "sequence_advantages",
+    "truncated_logprobs",
 ]

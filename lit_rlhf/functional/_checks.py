@@ -12,7 +12,7 @@ import torch
 def as_float(x: torch.Tensor) -> torch.Tensor:
     """Cast to at least float32 (bf16/fp16/int -> float32, float64 stays float64).
 
-    The DESIGN convention is float32 for log-probs and everything after them; float64 is kept so tests
+    The convention of functional/ is float32 for log-probs and everything after them; float64 is kept so tests
     can check against float64 references.
     """
     return x.to(torch.promote_types(x.dtype, torch.float32))

@@ -1,11 +1,15 @@
 """Advantage estimators of on-policy RLHF.
 
-- ``compute_gae``: Generalized Advantage Estimation with a critic (Schulman et al. 2016), used by PPO.
+- ``compute_gae``: Generalized Advantage Estimation with a critic (Schulman et al. 2016, arXiv 1506.02438),
+  used by PPO.
 - Critic-free, from sequence scores of K responses per prompt (rows g*K .. g*K+K-1 share prompt g):
   ``grpo_advantages`` (GRPO and Dr. GRPO) and ``rloo_advantages`` (RLOO) return per-sequence advantages
   (B,) that the caller broadcasts over the response tokens.
 - ``discounted_returns``: per-token returns of KL-shaped rewards, the REINFORCE++ advantage before its
-  batch whitening (Hu 2025).
+  batch whitening (Hu 2025, arXiv 2501.03262).
+
+The (B, T) masks are loss masks: 1 on the tokens learned from. They may have holes (tool or environment
+tokens between the model's tokens of a multi-turn rollout), which the recursions skip as if removed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from lit_rlhf.functional._checks import as_float, check_2d, check_number, check_same_shape
-from lit_rlhf.functional.stats import as_groups
+from lit_rlhf.functional.registry import SEQUENCE_ESTIMATORS
+from lit_rlhf.functional.stats import as_groups, compact_left, scatter_back
 
 __all__ = ["compute_gae", "discounted_returns", "grpo_advantages", "rloo_advantages"]
 
@@ -25,28 +30,33 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE advantages and lambda-returns over the real tokens of right-padded responses.
+    """GAE advantages and lambda-returns over the loss-masked tokens of each response.
 
+    Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation", arXiv 1506.02438, eq. 16), as its backward recursion:
     delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lambda * A_{t+1},
-    with V = 0 and A = 0 after each row's last real token (the episode has ended, seeds/000).
-    returns_t = A_t + V_t is the critic's target (seeds/000 "改进一"). The advantages are not whitened:
-    the caller whitens them (``masked_whiten``) once per rollout.
+    where t + 1 is the next masked token (holes are skipped as if removed), and V = 0 and A = 0 after
+    each row's last masked token (the episode has ended). returns_t = A_t + V_t is the lambda-return
+    (Sutton & Barto 2018, "Reinforcement Learning: An Introduction", 2nd ed., sec. 12.1), the critic's
+    target V_targ of PPO's value loss (Schulman et al. 2017, arXiv 1707.06347, eq. 9). The advantages are
+    not whitened: the caller whitens them (``masked_whiten``) once per rollout.
 
-    The backward loop runs over T, vectorised over the batch. Padded positions are read through
-    ``torch.where``, so NaN/inf stored there cannot reach the real tokens.
+    Rows with holes are packed left (:func:`compact_left`), the recursion runs on the packed rows and the
+    results go back to their positions (:func:`scatter_back`); a right-padded row is unchanged by the
+    packing. The backward loop runs over T, vectorised over the batch. Unmasked positions are read
+    through ``torch.where``, so NaN/inf stored there cannot reach the masked tokens.
 
     Args:
         rewards: (B, T) per-token rewards (``kl_shaped_rewards``).
         values: (B, T) old critic values.
-        response_mask: (B, T) 1/True for real tokens, right-padded (a row is 1...1 0...0; may be all 0).
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from (a row may be all 0); may have
+            holes (tool/environment tokens), which are skipped as if removed.
         gamma: discount in [0, 1].
         gae_lambda: GAE lambda in [0, 1].
 
     Returns:
-        (advantages, returns): both (B, T) float32 (float64 kept), 0 at padded positions.
-
-    Raises:
-        ValueError: a mask row has a real token after padding (not right-padded).
+        (advantages, returns): both (B, T) float32 (float64 kept), 0 at unmasked positions (holes and
+        padding).
     """
     fn = "compute_gae"
     check_2d(fn, rewards=rewards)
@@ -54,25 +64,24 @@ def compute_gae(
     check_number(fn, "gamma", gamma, low=0.0, low_inclusive=True, high=1.0)
     check_number(fn, "gae_lambda", gae_lambda, low=0.0, low_inclusive=True, high=1.0)
     mask = response_mask.bool()
-    holes = (mask[:, 1:] & ~mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
-    if holes:
-        raise ValueError(
-            f"{fn}: `response_mask` row(s) {holes} have a real token after padding; responses must be right-padded"
-        )
 
-    rewards = torch.where(mask, as_float(rewards), 0.0)
-    values = torch.where(mask, as_float(values), 0.0)
+    rewards = torch.where(mask, as_float(rewards), 0.0)  # (B, T)
+    values = torch.where(mask, as_float(values), 0.0)  # (B, T)
+    # Packed: each row's masked tokens first, in order, then its holes and padding (all 0 now). The
+    # permutation is the identity on a right-padded row, so its arithmetic is that of the unpacked row.
+    rewards, packed_mask, order = compact_left(rewards, mask)  # (B, T) x 2, (B, T)
+    values = values.gather(1, order)  # (B, T)
     steps = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
     next_advantage = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(steps)):
-        # values is 0 past the last real token, which is the terminal V = 0 of seeds/000.
+        # values is 0 past the last masked token of the packed row: the terminal V = 0.
         next_value = values[:, t + 1] if t + 1 < steps else next_advantage.new_zeros(())
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = torch.where(mask[:, t], delta + gamma * gae_lambda * next_advantage, 0.0)
+        next_advantage = torch.where(packed_mask[:, t], delta + gamma * gae_lambda * next_advantage, 0.0)
         advantages[:, t] = next_advantage
-    returns = torch.where(mask, advantages + values, 0.0)
-    return advantages, returns
+    returns = scatter_back(advantages + values, order, mask)  # (B, T)
+    return scatter_back(advantages, order, mask), returns
 
 
 def _check_group_size(fn: str, group_size: int) -> None:
@@ -136,9 +145,7 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(all_equal, 0.0, grouped - others_mean).flatten()  # (B,)
 
 
-SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# estimators whose baseline is the other responses to the same prompt: they need K >= 2
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+# the names live in functional.registry (SEQUENCE_ESTIMATORS, GROUP_ESTIMATORS: baseline from the group, K >= 2)
 
 
 def sequence_advantages(scores: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
@@ -169,20 +176,23 @@ def sequence_advantages(scores: torch.Tensor, estimator: str, group_size: int) -
 
 
 def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{l >= 0} gamma^l r_{t+l} over each response's real tokens (0 on padding).
+    """G_t = sum_{l >= 0} gamma^l r_{t+l} over each response's loss-masked tokens (0 elsewhere).
 
-    REINFORCE++ (Hu 2025, arXiv 2501.03262, sec. 3: token-level KL penalty, then advantage normalisation) uses these returns of the KL-shaped token
-    rewards (``kl_shaped_rewards``) as advantages, whitened over the whole batch by the caller (with the
-    moments of every rank: ``masked_moments`` / ``whiten_from_moments``). They are GAE with V = 0 and
-    lambda = 1 (delta_t = r_t), so this calls :func:`compute_gae` rather than re-deriving the recursion.
+    t + l runs over the masked tokens only: holes are skipped as if removed. REINFORCE++ (Hu 2025,
+    arXiv 2501.03262, sec. 3: token-level KL penalty, then advantage normalisation) uses these returns of
+    the KL-shaped token rewards (``kl_shaped_rewards``) as advantages, whitened over the whole batch by
+    the caller (with the moments of every rank: ``masked_moments`` / ``whiten_from_moments``). They are
+    GAE with V = 0 and lambda = 1 (delta_t = r_t), so this calls :func:`compute_gae` rather than
+    re-deriving the recursion.
 
     Args:
         rewards: (B, T) per-token rewards.
-        response_mask: (B, T) 1/True for real tokens, right-padded.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         gamma: discount in [0, 1].
 
     Returns:
-        (B, T) float32 (float64 kept) returns.
+        (B, T) float32 (float64 kept) returns, 0 at unmasked positions (holes and padding).
     """
     values = torch.zeros_like(as_float(rewards))  # (B, T)
     returns, _ = compute_gae(rewards, values, response_mask, gamma, gae_lambda=1.0)  # (B, T)

@@ -1,4 +1,4 @@
-"""KL coefficient controllers: fixed, adaptive (Ziegler et al. 2019) and PPO-Penalty (seeds/000).
+"""KL coefficient controllers: fixed, adaptive (Ziegler et al. 2019) and PPO-Penalty (Schulman et al. 2017).
 
 A controller holds the current coefficient in ``.value``; the PPO module calls
 ``update(current_kl, n_steps)`` once per rollout and stores ``state_dict()`` in its checkpoint so a
@@ -65,7 +65,9 @@ class FixedKLController(KLController):
 
 
 class AdaptiveKLController(KLController):
-    """Proportional controller of Ziegler et al. 2019 ("Fine-Tuning LMs from Human Preferences", sec. 2.2).
+    """Proportional controller of Ziegler et al. 2019.
+
+    "Fine-Tuning Language Models from Human Preferences", arXiv 1909.08593, sec. 2.2:
 
     error = clip(KL / target - 1, -0.2, 0.2);   value <- value * (1 + error * n_steps / horizon).
 
@@ -98,7 +100,7 @@ class AdaptiveKLController(KLController):
 
 
 class PPOPenaltyKLController(KLController):
-    """Adaptive beta of PPO-Penalty (Schulman et al. 2017 sec. 4; seeds/000).
+    """Adaptive beta of PPO-Penalty (Schulman et al. 2017, arXiv 1707.06347, sec. 4).
 
     With d the measured KL(pi_old || pi_theta): beta <- beta / 2 if d < target / 1.5,
     beta <- beta * 2 if d > target * 1.5, unchanged otherwise. ``n_steps`` is not used.

@@ -2,9 +2,12 @@
 pairwise reward-model loss and the offline preference losses (DPO, conservative DPO, IPO, SimPO).
 
 Every loss returns ``(loss, stats)``: ``loss`` a float32 scalar, ``stats`` a dict of detached float32
-scalars keyed by metric name without prefix. Padded positions are replaced by neutral values with
-``torch.where`` *before* any nonlinearity (exp, square), so NaN/inf stored there can change neither the
-loss nor the gradient, and the gradient at padded positions is exactly 0.
+scalars keyed by metric name without prefix. The (B, T) masks are loss masks: 1 on the tokens learned
+from; they may have holes (tool or environment tokens between the model's tokens of a multi-turn
+rollout), and every loss and statistic equals that of the same inputs with the holes removed. Unmasked
+positions (padding and holes) are replaced by neutral values with ``torch.where`` *before* any
+nonlinearity (exp, square), so NaN/inf stored there can change neither the loss nor the gradient, and
+the gradient at unmasked positions is exactly 0.
 
 Policy losses reduce their per-token terms with one of ``LOSS_AGGREGATIONS`` (:func:`aggregate_loss`).
 """
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 from lit_rlhf.functional._checks import as_float, check_number, check_same_shape
 from lit_rlhf.functional.kl import kl_penalty
+from lit_rlhf.functional.registry import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
 from lit_rlhf.functional.stats import masked_mean, masked_row_sum
 
 __all__ = [
@@ -32,8 +36,6 @@ __all__ = [
     "reference_kl_loss",
 ]
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def check_loss_aggregation(fn: str, loss_aggregation: str, max_response_length: int | None) -> None:
@@ -59,9 +61,9 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Reduce per-token losses (B, T) to a scalar.
 
-    - ``token_mean``: mean over all real tokens of the batch (PPO; DAPO's token-level loss, arXiv
+    - ``token_mean``: mean over all masked tokens of the batch (PPO; DAPO's token-level loss, arXiv
       2503.14476 sec. 3.3): every token weighs the same, so long responses weigh more.
-    - ``seq_mean_token_mean``: mean over each response's real tokens, then over responses (the
+    - ``seq_mean_token_mean``: mean over each response's masked tokens, then over responses (the
       original GRPO, Shao et al. 2024, arXiv 2402.03300 eq. 3: the 1/|o_i| inside the group mean).
     - ``seq_mean_token_sum_norm``: each response's token sum divided by the constant
       ``max_response_length``, then the mean over responses (Dr. GRPO, Liu et al. 2025, arXiv
@@ -69,12 +71,13 @@ def aggregate_loss(
 
     Args:
         token_losses: (B, T) per-token losses.
-        response_mask: (B, T) 1/True for real tokens.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         loss_aggregation: one of ``LOSS_AGGREGATIONS``.
         max_response_length: the constant of ``seq_mean_token_sum_norm`` (the generation's max_new_tokens).
 
     Returns:
-        float32 (float64 kept) scalar. A row without real tokens contributes 0 to the sequence means.
+        float32 (float64 kept) scalar. A row without masked tokens contributes 0 to the sequence means.
     """
     check_same_shape("aggregate_loss", token_losses=token_losses, response_mask=response_mask)
     check_loss_aggregation("aggregate_loss", loss_aggregation, max_response_length)
@@ -96,12 +99,12 @@ def aggregation_weight(
     summing ``weight * aggregate_loss(part)`` over micro-batches gives ``aggregate_loss(minibatch)``.
 
     Args:
-        part_mask: (b, T) response mask of the micro-batch.
-        total_mask: (B, T) response mask of the whole minibatch.
+        part_mask: (b, T) loss mask of the micro-batch (may have holes, which are not counted).
+        total_mask: (B, T) loss mask of the whole minibatch.
         loss_aggregation: one of ``LOSS_AGGREGATIONS``.
 
     Returns:
-        scalar tensor: real tokens of the part / of the minibatch, or rows of the part / of the minibatch.
+        scalar tensor: masked tokens of the part / of the minibatch, or rows of the part / of the minibatch.
     """
     if loss_aggregation == "token_mean":
         return part_mask.sum() / total_mask.sum()
@@ -121,21 +124,24 @@ def ppo_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-Clip: -aggregate(min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)), r = exp(logprobs - old_logprobs).
 
-    (Schulman et al. 2017, eq. 7; seeds/000 "PPO-Clip".) The ratio is against the rollout policy
+    (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347, eq. 7.) The ratio
+    is against the rollout policy
     (``old_logprobs``), never the reference model. Options of the 2025 papers, off by default:
 
     - ``clip_coef_high`` > ``clip_coef``: DAPO's "clip-higher" (Yu et al. 2025, arXiv 2503.14476 sec. 3.1),
       a wider upper bound lets low-probability tokens rise (against entropy collapse).
     - ``importance_sampling_level="sequence"``: GSPO (Zheng et al. 2025, arXiv 2507.18071 sec. 4.1), the
-      ratio of every token of response i is s_i = exp(mean_t(logprobs - old_logprobs)), the
-      length-normalised sequence likelihood ratio, clipped as a whole.
+      ratio of every token of response i is s_i = exp(mean_t(logprobs - old_logprobs)) with the mean over
+      the masked tokens of the response, the length-normalised sequence likelihood ratio, clipped as a
+      whole.
     - ``loss_aggregation``: see :func:`aggregate_loss`.
 
     Args:
         logprobs: (B, T) log-probs of the current policy (with grad).
         old_logprobs: (B, T) log-probs of the rollout policy.
         advantages: (B, T) advantages (usually whitened).
-        response_mask: (B, T) 1/True for real tokens.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         clip_coef: eps_low > 0 (also eps_high when ``clip_coef_high`` is None).
         clip_coef_high: eps_high > 0, or None for the symmetric clip.
         loss_aggregation: one of ``LOSS_AGGREGATIONS``.
@@ -143,9 +149,9 @@ def ppo_policy_loss(
         importance_sampling_level: ``token`` (PPO) or ``sequence`` (GSPO).
 
     Returns:
-        (loss, stats): stats has ``clipfrac`` (share of real tokens where the clipped term is taken),
+        (loss, stats): stats has ``clipfrac`` (share of masked tokens where the clipped term is taken),
         ``approx_kl`` = 0.5 * mean((lp - old)^2), ``policy_kl`` = mean(old - lp), ``ratio_mean`` and
-        ``ratio_max`` (over real tokens, of the token-level ratio whatever the importance-sampling level).
+        ``ratio_max`` (over masked tokens, of the token-level ratio whatever the importance-sampling level).
     """
     fn = "ppo_policy_loss"
     check_same_shape(
@@ -163,7 +169,7 @@ def ppo_policy_loss(
     if importance_sampling_level == "sequence":
         lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
         seq_log_ratio = masked_row_sum(log_ratio, mask).unsqueeze(1) / lengths  # (B, 1)
-        ratio = torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T): s_i on every real token
+        ratio = torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T): s_i on every masked token
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef_high)  # (B, T)
     loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_aggregation, max_response_length)
@@ -188,7 +194,8 @@ def reference_kl_loss(
     Args:
         logprobs: (B, T) log-probs of the current policy (with grad).
         ref_logprobs: (B, T) log-probs of the reference policy.
-        response_mask: (B, T) 1/True for real tokens.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         estimator: a ``kl_penalty`` estimator (``k3`` in GRPO).
         loss_aggregation, max_response_length: see :func:`aggregate_loss`.
 
@@ -201,7 +208,7 @@ def reference_kl_loss(
     mask = response_mask.bool()
     logprobs = torch.where(mask, as_float(logprobs), 0.0)
     ref_logprobs = torch.where(mask, as_float(ref_logprobs), 0.0)
-    kl = kl_penalty(logprobs, ref_logprobs, estimator)  # (B, T), 0 on padding
+    kl = kl_penalty(logprobs, ref_logprobs, estimator)  # (B, T), 0 off the mask
     loss = aggregate_loss(kl, mask, loss_aggregation, max_response_length)
     return loss, {"kl_loss": loss.detach()}
 
@@ -217,7 +224,7 @@ def kl_penalty_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-Penalty: -aggregate(r * A - beta * KL_t(old || new)), r = exp(logprobs - old_logprobs).
 
-    (Schulman et al. 2017, eq. 8; seeds/000 "PPO-Penalty".) The per-token KL(pi_old || pi_theta) is the
+    (Schulman et al. 2017, arXiv 1707.06347, eq. 8.) The per-token KL(pi_old || pi_theta) is the
     k1 estimate on tokens sampled from pi_old: old_logprobs - logprobs. ``beta`` comes from a
     ``PPOPenaltyKLController`` updated with the measured ``policy_kl``.
 
@@ -225,7 +232,8 @@ def kl_penalty_policy_loss(
         logprobs: (B, T) log-probs of the current policy (with grad).
         old_logprobs: (B, T) log-probs of the rollout policy.
         advantages: (B, T) advantages.
-        response_mask: (B, T) 1/True for real tokens.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         beta: >= 0 (0 gives the plain importance-sampled surrogate -mean(r * A)).
         loss_aggregation, max_response_length: see :func:`aggregate_loss`.
 
@@ -253,21 +261,25 @@ def clipped_value_loss(
     response_mask: torch.Tensor,
     clip_coef_value: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """0.5 * masked_mean(max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2)) (seeds/000 "Critic").
+    """0.5 * masked_mean(max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2)): the clipped value loss.
 
-    Taking the max stops the gradient when the new value has left the trust region *towards* the
-    return (the clipped error is then the larger one and its gradient through the clip is 0), and keeps
-    the full gradient otherwise (seeds/000 cases 1-3).
+    Value-function clipping of OpenAI Baselines' PPO2, described by Engstrom et al. 2020 ("Implementation
+    Matters in Deep Policy Gradients: A Case Study on PPO and TRPO", arXiv 2005.12729, sec. 3, the first
+    code-level optimisation); R is the V_targ of Schulman et al. 2017 (arXiv 1707.06347, eq. 9). Taking the
+    max stops the gradient when the new value has left the trust region towards the return, ending closer
+    to it than the boundary is (the clipped error is then the larger one and its gradient through the
+    clip is 0), and keeps the full gradient otherwise.
 
     Args:
         values: (B, T) current critic values (with grad).
         old_values: (B, T) rollout critic values.
         returns: (B, T) GAE lambda-returns.
-        response_mask: (B, T) 1/True for real tokens.
+        response_mask: (B, T) the loss mask: 1/True on tokens learned from; may have holes
+            (tool/environment tokens), which are skipped as if removed.
         clip_coef_value: eps > 0 (``float("inf")`` disables clipping).
 
     Returns:
-        (loss, stats): stats has ``value_clipfrac`` (share of real tokens where the clipped error is larger).
+        (loss, stats): stats has ``value_clipfrac`` (share of masked tokens where the clipped error is larger).
     """
     fn = "clipped_value_loss"
     check_same_shape(fn, values=values, old_values=old_values, returns=returns, response_mask=response_mask)
@@ -288,9 +300,11 @@ def pairwise_reward_loss(
     rejected_scores: torch.Tensor,
     margin: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bradley-Terry loss -log sigmoid(chosen - rejected - margin), averaged (seeds/000 "RM Training").
+    """Bradley-Terry loss -log sigmoid(chosen - rejected - margin), averaged over the pairs.
 
-    The optional margin is the Llama-2 reward-model margin: a pair must be won by at least ``margin``.
+    The reward-model loss of InstructGPT (Ouyang et al. 2022, arXiv 2203.02155, eq. 1) on one pair per
+    comparison. The optional margin is the Llama 2 reward-model margin (Touvron et al. 2023, arXiv
+    2307.09288, sec. 3.2.2): a pair must be won by at least ``margin``.
 
     Args:
         chosen_scores: (B,) reward-model scores of the chosen responses.
@@ -312,7 +326,7 @@ def pairwise_reward_loss(
 def _ratio_terms(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mask, log-ratio, ratio and advantages with padding set to log-ratio 0 / advantage 0 before exp."""
+    """Mask, log-ratio, ratio and advantages with unmasked positions set to log-ratio 0 / advantage 0 before exp."""
     mask = response_mask.bool()
     log_ratio = torch.where(mask, as_float(logprobs) - as_float(old_logprobs), 0.0)
     return mask, log_ratio, torch.exp(log_ratio), torch.where(mask, as_float(advantages), 0.0)
@@ -321,11 +335,12 @@ def _ratio_terms(
 def _ratio_stats(mask: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor) -> dict[str, torch.Tensor]:
     log_ratio, ratio = log_ratio.detach(), ratio.detach()
     return {
-        # Schulman's k2 and k1 estimates of KL(old || new) on the rollout tokens (seeds/000 approxkl/policykl).
+        # k2 and k1 estimates of KL(old || new) on the rollout tokens (Schulman 2020, "Approximating KL
+        # Divergence", http://joschu.net/blog/kl-approx.html).
         "approx_kl": 0.5 * masked_mean(log_ratio.square(), mask),
         "policy_kl": masked_mean(-log_ratio, mask),
         "ratio_mean": masked_mean(ratio, mask),
-        # ratio > 0, so 0 at padding never wins the max.
+        # ratio > 0, so 0 off the mask never wins the max.
         "ratio_max": torch.where(mask, ratio, 0.0).amax(),
     }
 

@@ -1,4 +1,4 @@
-"""Token sampling by inverse CDF, plugged into Hugging Face ``generate`` as its last logits processor.
+"""Token sampling inside Hugging Face ``generate``, and the behaviour log-prob of every drawn token.
 
 ``generate(do_sample=True)`` draws each token with ``torch.multinomial``, which on CPU draws one
 exponential variate per vocabulary entry (``argmax(probs / Exponential(1))``): ~5 ms per decoding step
@@ -10,7 +10,15 @@ needs one uniform per row: the first token whose cumulative probability reaches 
 step then takes. Every other processor of ``generate`` (the suppressed pad token, minimum lengths, ...)
 runs before it, as it runs before the warpers when sampling.
 
-Shapes: B rows, V vocabulary entries.
+Both samplers record, per decoding step, the log-prob of the drawn token under the distribution it was
+drawn from (the warped one: tempered, truncated, renormalised over the kept tokens) and the log of the
+mass the truncation kept of the tempered distribution, from the scores that drew the token (no extra
+forward). :class:`MultinomialRecorder` does it for ``generate``'s own multinomial draw: it applies the
+warpers itself as the last processor of ``generate(do_sample=True)`` (with ``generate``'s own warpers
+off), so it sees the scores ``torch.multinomial`` draws from, and reads each drawn token from
+``input_ids`` at the next step. :meth:`BehaviourRecorder.behaviour` stacks the record after ``generate``.
+
+Shapes: B rows, V vocabulary entries, N decoding steps, T response length.
 """
 
 from __future__ import annotations
@@ -51,13 +59,16 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
     return torch.searchsorted(cdf, u).squeeze(1)  # (B,) first i with cdf[i] >= u
 
 
-class InverseCDFSampler(LogitsProcessor):
-    """The last processor of a greedy ``generate``: samples the next token by inverse CDF.
+class BehaviourRecorder(LogitsProcessor):
+    """The warpers of ``generate(do_sample=True)`` and a record of each drawn token's behaviour log-prob.
 
-    The scores are warped as ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` warps them
-    (its warper classes, in its order: temperature, top-k, top-p), the token is drawn from their softmax
-    with :func:`inverse_cdf_sample`, and the returned scores are the log of that draw's one-hot
-    distribution (0 at the drawn token, -inf elsewhere), so the greedy argmax takes it.
+    The scores are warped as ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` warps them:
+    its warper classes, in its order (temperature, then top-k, then top-p), on the scores every other
+    processor of ``generate`` has processed (the suppressed pad token, ...). A subclass draws (or lets
+    ``generate`` draw) the token from their softmax and records, per step, the drawn token's log-prob under
+    it and, where a truncation is on, ``logsumexp`` of the kept tempered scores minus ``logsumexp`` of all
+    of them. Per step this costs at most one ``logsumexp`` over (B, V) for each normaliser the draw does
+    not already give (see the subclasses); only (B,) values are kept, and no scores beyond one step's.
 
     Args:
         temperature: softmax temperature (> 0; 1.0 = off).
@@ -67,20 +78,137 @@ class InverseCDFSampler(LogitsProcessor):
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
         if temperature <= 0:
-            raise ValueError(f"InverseCDFSampler: temperature must be > 0, got {temperature}")
-        self.warpers = LogitsProcessorList()
-        if temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
+            raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
+        self.temperature = None if temperature == 1.0 else TemperatureLogitsWarper(float(temperature))
+        self.truncation = LogitsProcessorList()
         if top_k:
-            self.warpers.append(TopKLogitsWarper(top_k))
+            self.truncation.append(TopKLogitsWarper(int(top_k)))
         if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
+            self.truncation.append(TopPLogitsWarper(top_p))
+        tempering = [self.temperature] if self.temperature is not None else []
+        self.warpers = LogitsProcessorList([*tempering, *self.truncation])  # generate's order
+        self._logprobs: list[torch.Tensor] = []  # per step: (B,) log-prob of the drawn token
+        self._log_kept_mass: list[torch.Tensor] = []  # per step: (B,), only with a truncation
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p is on (else the kept mass is 1 and not computed)."""
+        return len(self.truncation) > 0
+
+    def _warp(
+        self, input_ids: torch.LongTensor, scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, V) processed scores -> (B, V) warped scores and (B,) logsumexp of the tempered scores (None
+        without a truncation: the warped scores are then the tempered ones)."""
+        if self.temperature is not None:
+            scores = self.temperature(input_ids, scores)
+        if not self.truncates:
+            return scores, None
+        return self.truncation(input_ids, scores), scores.logsumexp(dim=-1)
+
+    def behaviour(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The record of one ``generate`` call, stacked, for its T response tokens; the record is cleared.
+
+        Steps past the T columns (a deferred stop check that ``generate`` undid) are dropped.
+
+        Args:
+            tokens: (B, T) the tokens ``generate`` returned after the prompt.
+
+        Returns:
+            logprobs: (B, T) float32 log-prob of each token under the warped distribution it was drawn
+                from (-inf where ``generate`` put a pad token after a row finished, as pad is suppressed).
+            log_kept_mass: (B, T) float32 log of the tempered mass the truncation kept (0 without one).
+        """
+        t = tokens.shape[1]
+        self._finish(tokens)
+        if not 0 < t <= len(self._logprobs):
+            raise RuntimeError(f"{type(self).__name__}: recorded {len(self._logprobs)} steps for {t} tokens")
+        logprobs = torch.stack(self._logprobs[:t], dim=1).float()  # (B, T)
+        if self.truncates:
+            log_kept_mass = torch.stack(self._log_kept_mass[:t], dim=1).float()  # (B, T)
+        else:
+            log_kept_mass = torch.zeros_like(logprobs)
+        self._logprobs, self._log_kept_mass = [], []
+        return logprobs, log_kept_mass
+
+    def _finish(self, tokens: torch.Tensor) -> None:
+        """Complete the record from the returned tokens (a subclass that learns its tokens late)."""
+
+
+class InverseCDFSampler(BehaviourRecorder):
+    """The last processor of a greedy ``generate``: samples the next token by inverse CDF.
+
+    The scores are warped as ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` warps them
+    (its warper classes, in its order: temperature, top-k, top-p), the token is drawn from their softmax
+    with :func:`inverse_cdf_sample`, and the returned scores are the log of that draw's one-hot
+    distribution (0 at the drawn token, -inf elsewhere), so the greedy argmax takes it.
+
+    The behaviour log-prob is the log of the drawn token's softmax probability, and with a truncation the
+    warped scores' normaliser is ``warped[token] - log p[token]``: no reduction over V beyond the softmax
+    the draw needs, except ``logsumexp`` of the tempered scores when a truncation is on.
+
+    Args:
+        temperature: softmax temperature (> 0; 1.0 = off).
+        top_k: keep only the k most likely tokens (0 = off).
+        top_p: nucleus sampling mass (1.0 = off).
+    """
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) 0 at each row's drawn token, -inf elsewhere."""
-        probs = self.warpers(input_ids, scores).softmax(dim=-1)  # (B, V)
+        warped, log_total = self._warp(input_ids, scores)  # (B, V), (B,) or None
+        probs = warped.softmax(dim=-1)  # (B, V)
         tokens = inverse_cdf_sample(probs)  # (B,)
+        logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (B,)
+        self._logprobs.append(logprob)
+        if log_total is not None:
+            log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (B,) logsumexp(warped)
+            self._log_kept_mass.append(log_kept - log_total)
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+class MultinomialRecorder(BehaviourRecorder):
+    """The last processor of ``generate(do_sample=True)`` with ``generate``'s own warpers off: warps the
+    scores that ``torch.multinomial`` then draws from, and records the drawn tokens' log-probs.
+
+    ``generate`` applies its warpers after every user processor, so a recorder after them must be these
+    warpers: with ``temperature``, ``top_k`` and ``top_p`` of ``generate`` left off, the scores sampled
+    are exactly the ones ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` samples
+    (same classes, order and arguments), hence the same tokens under a seed. Per step: ``logsumexp`` of
+    the warped scores (the normaliser of the token's log-prob) and, with a truncation, of the tempered
+    ones; the warped scores of the last step are kept until the next call, which reads the token drawn
+    from them in ``input_ids[:, -1]`` (:meth:`behaviour` takes the last step's token from the output).
+
+    Args:
+        temperature: softmax temperature (> 0; 1.0 = off).
+        top_k: keep only the k most likely tokens (0 = off).
+        top_p: nucleus sampling mass (1.0 = off).
+    """
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+        super().__init__(temperature, top_k, top_p)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (B, V) scores, (B,) lse
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """(B, V) processed scores -> (B, V) warped scores (generate samples their softmax)."""
+        self._take_pending(input_ids[:, -1])
+        warped, log_total = self._warp(input_ids, scores)  # (B, V), (B,) or None
+        log_kept = warped.logsumexp(dim=-1)  # (B,)
+        if log_total is not None:
+            self._log_kept_mass.append(log_kept - log_total)
+        self._pending = (warped, log_kept)
+        return warped
+
+    def _take_pending(self, tokens: torch.Tensor) -> None:
+        """Record the last step's log-prob of ``tokens`` (B,), the tokens drawn from its scores."""
+        if self._pending is not None:
+            warped, log_kept = self._pending
+            self._logprobs.append(warped.gather(1, tokens[:, None]).squeeze(1) - log_kept)
+            self._pending = None
+
+    def _finish(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None and len(self._logprobs) < tokens.shape[1]:
+            self._take_pending(tokens[:, len(self._logprobs)])
+        self._pending = None
 
 
 def resolve_sampler(sampler: str, device: torch.device, vocab_size: int | None = None) -> str:

@@ -1,30 +1,34 @@
 """The online-RL base: what every on-policy algorithm (PPO, GRPO, RLOO, REINFORCE++) shares.
 
 :class:`OnlineRLModule` owns the actor, the reference (or the LoRA-disabled actor), the reward source and
-the monitor reward, generation with K samples per prompt, the old/reference log-prob scoring, the score
-adjustments, the rollout metrics and sample tables, the minibatch update loop, the KL controller, the
-checkpoint state of an exact resume and the Hugging Face export. A subclass writes its own numbered
-``training_step`` over these parts, its loss and its optimisers. The scoring of a rollout lives in
-:mod:`~lit_rlhf.modules.online_scoring`, evaluation rollouts in :mod:`~lit_rlhf.modules.online_eval`,
-metrics, resume state and export in :mod:`~lit_rlhf.modules.online_bookkeeping` (mixins of this class).
+the monitor reward, the rollout engine, the old/reference log-prob scoring, the score adjustments, the
+rollout metrics and sample tables, the minibatch update loop, the KL controller, the checkpoint state of an
+exact resume and the Hugging Face export. A subclass declares its settings and its loss, and writes its own
+numbered ``training_step`` over these parts (see :class:`OnlineRLModule` for the contract). The scoring of a
+rollout lives in :mod:`~lit_rlhf.modules.online_scoring`, evaluation rollouts in
+:mod:`~lit_rlhf.modules.online_eval`, metrics, resume state and export in
+:mod:`~lit_rlhf.modules.online_bookkeeping` (mixins of this class), the settings groups in
+:mod:`~lit_rlhf.modules.online_settings`, the engines in :mod:`lit_rlhf.engines`.
+
+Shapes: B rollout rows, P prompt length (left-padded), T response length (right-padded).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
-from functools import partial
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from typing_extensions import override
 
 from lit_rlhf import functional as F
-from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
-from lit_rlhf.guards import NonFinitePolicy, StepGuard, check_finite_weights
+from lit_rlhf.engines import Responses, RolloutEngine, build_engine, engine_hparams
+from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
@@ -34,43 +38,96 @@ from lit_rlhf.models import (
     load_tokenizer,
 )
 from lit_rlhf.modules.base import internal_base
-from lit_rlhf.modules.distributed import clip_grad_norm, generation_context, shard_models
-from lit_rlhf.modules.metrics import MetricGroup, accumulate_stats
+from lit_rlhf.modules.distributed import generation_context, shard_models
+from lit_rlhf.modules.metrics import MetricGroup
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
-from lit_rlhf.modules.online_checks import check_online_args
-from lit_rlhf.modules.online_eval import OnlineEvaluation, evaluation_settings
+from lit_rlhf.modules.online_eval import OnlineEvaluation
 from lit_rlhf.modules.online_scoring import RolloutScoring
+from lit_rlhf.modules.online_settings import (
+    EvaluationSettings,
+    KLSettings,
+    SampleSettings,
+    ScoringSettings,
+    UpdateSettings,
+    moved_hint,
+)
+from lit_rlhf.modules.online_update import OnlineUpdate
 from lit_rlhf.replay import ReplayBuffer
 from lit_rlhf.rewards import RewardSource
-from lit_rlhf.rollout import GenerationSettings, Rollout, generate_responses
+from lit_rlhf.rollout import GenerationSettings, Rollout
+from lit_rlhf.settings import Settings
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
-    "group_score_std", "group_all_equal_frac", "nonfinite_scores",
+    "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
 )  # fmt: skip
 LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+class Sample(NamedTuple):
+    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, and the (B, P+T) rows."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: Responses
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor  # (B, T) bool, the tokens learned from
+
+
 @internal_base
-class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
+class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 
-    The subclass documents and validates the arguments it passes on (its ``__init__`` is the config
-    schema), then calls :meth:`save_plain_hyperparameters` and builds its own models inside
-    :meth:`seeded_init`, which continues the seeded stream the shared models were initialised from.
+    The contract with an algorithm (a subclass):
+
+    - its ``__init__`` declares its own arguments (the config schema), takes ``**kwargs`` for these shared
+      ones and calls ``super().__init__(**kwargs)`` first, passing on the groups it types itself (e.g.
+      ``update=update``); it then builds its own models inside :meth:`seeded_init`;
+    - class attributes: ``metric_prefix`` (namespace of its update metrics), ``loss_stats`` (the names of
+      the stats its loss returns; ``policy_kl`` always, ``ratio_mean`` for ``update.ratio_threshold``),
+      ``extra_metrics`` (other per-rollout metrics it logs under its prefix), ``settings_groups`` (the group
+      class of each settings argument), ``packed_forwards`` (whether its forwards have a shared-prompt form);
+    - ``training_step`` (numbered steps over :meth:`sample`, :meth:`score_rollout`,
+      :meth:`score_responses`, :meth:`run_update_epochs`, :meth:`finish_rollout`) and
+      ``configure_optimizers``.
+
+    The contract is checked when the module is constructed, and each loss's stats when it returns them.
 
     Args:
-        actor, reward_model, reward_fn, monitor_reward_fn, reference, generation, forward_batch_size,
-        bucketing, num_minibatches, kl_coef, kl_target, kl_horizon, score_clip, missing_eos_penalty, max_rollouts,
-        log_samples_every, num_log_samples, eval_generation, eval_greedy, rng_seed, on_nonfinite: as documented by the
-        subclass (``rng_seed=None`` follows ``seed_everything``; the resolved value is stored in the
-        hyper-parameters and the checkpoint, so a resumed or reloaded module rebuilds the same weights).
-        metric_prefix: namespace of the update metrics (``ppo``, ``policy``).
-        update_metrics: names of the update metrics (``*_max`` ones are maxima, the others means).
-        shared_prefix: ``auto``/``on``/``off``, the shared-prompt layout of the actor and reference
-            forwards (``models.shared_prefix``; documented by the subclass that offers it, ``off`` else).
+        actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
+        reference: the reference policy of the KL; None = the initial actor (a frozen copy, or for a LoRA
+            actor the actor with its adapters disabled: no second copy).
+        reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
+        reward_fn: ``package.module:function`` mapping (prompts, responses) strings to float scores.
+        monitor_reward_fn: a second ``module:function`` scorer that is only logged
+            (``rollout/monitor_score``), never optimised: e.g. a gold reward beside a proxy reward model.
+        engine: the rollout engine (``lit_rlhf.engines``): None = Hugging Face ``generate`` on the actor
+            (``HFEngine``); a name (``hf``), a ``{class_path, init_args}`` dict or an engine instance.
+        generation: sampling settings of the rollout (``GenerationSettings`` or a dict of its fields);
+            ``num_samples`` is K, the responses per prompt.
+        update: the update phase (``UpdateSettings``: epochs, minibatches, clip ranges, loss aggregation, ...).
+        kl: the KL to the reference (``KLSettings``: in the reward, adaptive or fixed, and in the loss).
+        scoring: the rollout's no-grad forwards and its scores (``ScoringSettings``: forward batch size,
+            bucketing, shared prefix, score clip, missing-EOS penalty, non-finite scores).
+        samples: the sample tables (``SampleSettings``: every, rows).
+        evaluation: the evaluation rollouts of ``validate``/``test`` (``EvaluationSettings``: generation
+            overrides, greedy).
+        max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
+        rng_seed: seed of the model initialisations, the minibatch shuffling and the evaluation sampling
+            (named apart from the DataModule's ``seed``); None follows ``seed_everything`` (the value used is
+            stored in the hyper-parameters and checkpoints).
     """
 
+    # the algorithm's contract (see the class docstring)
+    metric_prefix: ClassVar[str] = "policy"
+    loss_stats: ClassVar[tuple[str, ...]] = ()
+    extra_metrics: ClassVar[tuple[str, ...]] = ()
+    settings_groups: ClassVar[dict[str, type[Settings]]] = {
+        "generation": GenerationSettings, "update": UpdateSettings, "kl": KLSettings,
+        "scoring": ScoringSettings, "samples": SampleSettings, "evaluation": EvaluationSettings,
+    }  # fmt: skip
+    packed_forwards: ClassVar[bool] = True
     # models sharded by ``configure_model`` (dotted attribute paths; missing or None ones are skipped)
     sharded_models: tuple[str, ...] = ("actor", "reference", "rewards.model", "monitor.model")
 
@@ -78,46 +135,37 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
         self,
         *,
         actor: ModelSpec | dict | str,
-        reward_model: ModelSpec | dict | str | None,
-        reward_fn: str | None,
-        monitor_reward_fn: str | None,
-        reference: ModelSpec | dict | str | None,
-        generation: GenerationSettings | dict | None,
-        forward_batch_size: int,
-        bucketing: Bucketing | dict | None,
-        num_minibatches: int,
-        kl_coef: float,
-        kl_target: float | None,
-        kl_horizon: int,
-        score_clip: float | None,
-        missing_eos_penalty: float | None,
-        max_rollouts: int | None,
-        log_samples_every: int,
-        num_log_samples: int,
-        eval_generation: GenerationSettings | dict | None,
-        eval_greedy: bool,
-        rng_seed: int | None,
-        on_nonfinite: NonFinitePolicy,
-        metric_prefix: str,
-        update_metrics: Sequence[str],
-        shared_prefix: str = "off",
+        reference: ModelSpec | dict | str | None = None,
+        reward_model: ModelSpec | dict | str | None = None,
+        reward_fn: str | None = None,
+        monitor_reward_fn: str | None = None,
+        engine: RolloutEngine | dict | str | None = None,
+        generation: GenerationSettings | dict | None = None,
+        update: UpdateSettings | dict | None = None,
+        kl: KLSettings | dict | None = None,
+        scoring: ScoringSettings | dict | None = None,
+        samples: SampleSettings | dict | None = None,
+        evaluation: EvaluationSettings | dict | None = None,
+        max_rollouts: int | None = None,
+        rng_seed: int | None = None,
+        **groups: Any,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         name = type(self).__name__
-        actor = ModelSpec.coerce(actor, "actor")
-        reward_model = None if reward_model is None else ModelSpec.coerce(reward_model, "reward_model")
-        reference = None if reference is None else ModelSpec.coerce(reference, "reference")
-        self.generation = GenerationSettings.coerce(generation, "generation")
-        self.eval_generation = evaluation_settings(self.generation, eval_generation)
-        self.bucketing = Bucketing.coerce(bucketing, f"{name}: bucketing")
+        given = dict(generation=generation, update=update, kl=kl, scoring=scoring, samples=samples,
+                     evaluation=evaluation, **groups)  # fmt: skip
+        self.check_arguments(given, reward_model, reward_fn, max_rollouts)
+        for key, cls in self.settings_groups.items():  # self.update, self.kl, ... (checked groups)
+            setattr(self, key, coerce_group(cls, given.get(key), f"{name}: {key}"))
+        self.check_loss_contract()
+        self.eval_generation = self.evaluation.resolve(self.generation)
+        self.engine = build_engine(engine, f"{name}: engine")
+        self._engine_model: torch.nn.Module | None = None
+        self.max_rollouts = max_rollouts
         rng_seed = self.rng_seed = resolve_seed(rng_seed)
-        check_online_args(
-            name, reward_model, reward_fn, forward_batch_size, kl_coef, max_rollouts, log_samples_every,
-            on_nonfinite,
-        )  # fmt: skip
-        self.metric_prefix = metric_prefix
-        self.shared_prefix = check_shared_prefix_mode(shared_prefix, f"{name}: shared_prefix")
+        self.shared_prefix = self.resolve_shared_prefix(self.scoring.shared_prefix)
+        actor = ModelSpec.coerce(actor, "actor")
         self.actor_lora = actor.lora is not None
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
         self._init_seed, self._init_rng_state = rng_seed, None
@@ -125,26 +173,87 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
             self.actor = build_causal_lm(actor, self.tokenizer)
             disable_dropout(self.actor)
             if reference is not None:
-                self.reference = frozen_copy(build_causal_lm(reference, self.tokenizer))
+                self.reference = frozen_copy(build_causal_lm(ModelSpec.coerce(reference, "reference"), self.tokenizer))
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
-            self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
+            reward_spec = None if reward_model is None else ModelSpec.coerce(reward_model, "reward_model")
+            self.rewards = RewardSource(reward_spec, reward_fn, self.tokenizer)
             self.monitor = (
                 None
                 if monitor_reward_fn is None
                 else RewardSource(None, monitor_reward_fn, self.tokenizer, "monitor_reward_fn")
             )
-        self.kl_ctl = (
-            F.FixedKLController(kl_coef)
-            if kl_target is None
-            else F.AdaptiveKLController(kl_coef, kl_target, kl_horizon)
-        )
-        self.buffer = ReplayBuffer(num_minibatches, rng_seed)
-        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_metrics)
+        kl = self.kl
+        self.kl_ctl = F.FixedKLController(kl.coef) if kl.target is None else F.AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+        self.buffer = ReplayBuffer(self.update.num_minibatches, rng_seed)
+        update_names = (*self.loss_stats, *self.extra_metrics, "skipped_minibatches", "nonfinite_steps")
+        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_names)
         self.rollouts_done = 0
         self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
         self._rng_to_restore: tuple[torch.Tensor, list] | None = None
         self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
+        shared = dict(reference=reference, reward_model=reward_model, reward_fn=reward_fn,
+                      monitor_reward_fn=monitor_reward_fn)  # fmt: skip
+        self.save_plain_hyperparameters(inspect.currentframe().f_back, shared)
+
+    # -- construction ---------------------------------------------------------------------------------
+    def check_arguments(self, groups: dict, reward_model, reward_fn, max_rollouts) -> None:
+        """Refuse unknown arguments (naming the settings group an old flat one moved to) and the
+        cross-argument mistakes no single group can see."""
+        name = type(self).__name__
+        unknown = sorted(set(groups) - set(self.settings_groups))
+        if unknown:
+            hints = [moved_hint(key, type(self)) or f"{key}: no such argument" for key in unknown]
+            raise TypeError(f"{name}: unexpected argument(s) {unknown}: " + "; ".join(hints))
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError(f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')")
+        if max_rollouts is not None and max_rollouts < 1:
+            raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")
+
+    @classmethod
+    def required_stats(cls, update: UpdateSettings) -> tuple[str, ...]:
+        """The stats every loss must return: ``policy_kl`` (the last epoch's KL), and ``ratio_mean``
+        when minibatches are skipped by ``update.ratio_threshold``."""
+        return ("policy_kl",) + (("ratio_mean",) if update.ratio_threshold is not None else ())
+
+    def check_loss_contract(self) -> None:
+        """The algorithm declares every stat the update loop reads from its loss (``loss_stats``)."""
+        missing = [s for s in self.required_stats(self.update) if s not in self.loss_stats]
+        if missing:
+            raise TypeError(
+                f"{type(self).__name__}: its loss must return the stat(s) {missing} (the update loop reads "
+                f"them); declare them in `loss_stats` (now {list(self.loss_stats)}) and return them"
+            )
+
+    def resolve_shared_prefix(self, mode: str) -> str:
+        """``scoring.shared_prefix`` for this module: ``auto`` is ``off`` where the forwards have no packed
+        form (``packed_forwards``), where ``on`` is refused."""
+        name = type(self).__name__
+        mode = check_shared_prefix_mode(mode, f"{name}: scoring.shared_prefix")
+        if not self.packed_forwards:
+            if mode == "on":
+                raise ValueError(
+                    f"{name}: scoring.shared_prefix='on' needs forwards with a shared-prompt form, which this "
+                    "module's (e.g. its critic's) have not; use 'off' or 'auto'"
+                )
+            return "off"
+        return mode
+
+    def save_plain_hyperparameters(self, frame, shared: dict[str, Any]) -> None:
+        """``save_hyperparameters`` of every ``__init__`` argument of the module's classes, with the settings
+        groups, model specs and the engine stored as plain dicts (``hparams.yaml`` holds no
+        ``!!python/object`` tags, and a checkpoint loads without unpickling library classes), ``rng_seed``
+        as resolved; optimiser and scheduler factories are left out."""
+        self.save_hyperparameters(frame=frame)
+        plain = {key: getattr(self, key).as_dict() for key in self.settings_groups}
+        plain.update(shared, engine=engine_hparams(self.engine), rng_seed=self.rng_seed, max_rollouts=self.max_rollouts)
+        for store in (self._hparams, self._hparams_initial):
+            for key in [k for k in store if k.endswith(("_optimizer", "_scheduler"))]:
+                del store[key]
+            store.update(plain)
+            for key, value in store.items():
+                if is_dataclass(value) and not isinstance(value, type):  # ModelSpec
+                    store[key] = asdict(value)
 
     @contextmanager
     def seeded_init(self) -> Iterator[None]:
@@ -161,18 +270,7 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
             yield
             self._init_rng_state = torch.get_rng_state()
 
-    def save_plain_hyperparameters(self, ignore: Sequence[str]) -> None:
-        """``save_hyperparameters`` of the subclass's ``__init__`` arguments, with dataclasses (ModelSpec,
-        GenerationSettings) stored as plain dicts, so ``hparams.yaml`` holds no ``!!python/object`` tags
-        and a checkpoint loads without unpickling library classes; ``rng_seed`` as resolved."""
-        self.save_hyperparameters(ignore=list(ignore), frame=inspect.currentframe().f_back)
-        for store in (self._hparams, self._hparams_initial):
-            store["rng_seed"] = self.rng_seed
-            for key, value in store.items():
-                if is_dataclass(value) and not isinstance(value, type):
-                    store[key] = asdict(value)
-
-    # -- rollout: generation and scoring --------------------------------------------------------------
+    # -- rollout: generation --------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
         """K, the responses sampled per prompt."""
@@ -194,6 +292,13 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
             return ids, mask
         return ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
 
+    def rollout_engine(self) -> RolloutEngine:
+        """The engine, set up with the actor (again when the actor object changed, e.g. wrapped by FSDP)."""
+        if self._engine_model is not self.actor:
+            self.engine.setup(self.actor, self.tokenizer, world_size=self.trainer.world_size)
+            self._engine_model = self.actor
+        return self.engine
+
     @torch.no_grad()
     def generate(
         self,
@@ -201,22 +306,30 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
         prompt_mask: torch.Tensor,
         settings: GenerationSettings | None = None,
         greedy: bool = False,
-    ):
-        """One response per row (sampled with ``settings``, default ``generation``, or greedy):
-        (responses (B, T), response_mask (B, T), truncated (B,)). The rows are ``expand_prompts``'s, in
-        groups of ``settings.num_samples`` copies, whose prefill is shared (``group_prefill``)."""
+    ) -> Responses:
+        """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
+        ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
         settings = settings or self.generation
-        was_training = self.actor.training
-        self.actor.eval()
-        with generation_context(self, self.actor):
-            out = generate_responses(
-                self.actor, prompts, prompt_mask, settings,
-                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                tokenizer=self.tokenizer, synced_gpus=self.trainer.world_size > 1, greedy=greedy,
-                group_size=settings.num_samples,
-            )  # fmt: skip
-        self.actor.train(was_training)
-        return out
+        engine = self.rollout_engine()
+        with self.trainer.profiler.profile("rollout/generate"):
+            if not engine.uses_policy:
+                return check_responses(engine.generate(prompts, prompt_mask, settings, greedy=greedy), prompts, settings)
+            was_training = self.actor.training
+            self.actor.eval()
+            with generation_context(self, self.actor):
+                out = engine.generate(prompts, prompt_mask, settings, greedy=greedy)
+            self.actor.train(was_training)
+        return check_responses(out, prompts, settings)
+
+    def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
+        """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
+        joined to their prompts as the (B, P+T) rows the trainer scores."""
+        prompts, prompt_mask = self.expand_prompts(batch)
+        responses = self.generate(prompts, prompt_mask)
+        input_ids = torch.cat([prompts, responses.ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
+        loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
+        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask)
 
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
@@ -227,63 +340,10 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
         moments = self.trainer.strategy.reduce(F.masked_moments(x, mask), reduce_op="sum")
         return F.whiten_from_moments(x, mask, moments, shift_mean)
 
-    # -- update ---------------------------------------------------------------------------------------
-    def run_update_epochs(
-        self,
-        loss_fn: LossFn,
-        optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]],
-        epochs: int,
-        loss_aggregation: str = "token_mean",
-    ) -> float:
-        """``epochs`` passes over shuffled minibatches of the buffered rollout, one optimiser step each.
-
-        Each minibatch is processed in micro-batches of at most ``forward_batch_size`` rows (length-bucketed
-        and trimmed under ``bucketing``, see :meth:`micro_batches`) whose losses are weighted by their share
-        of the minibatch (real tokens, or rows for the sequence-mean aggregations), so the accumulated
-        gradient equals the minibatch's loss (trimming keeps every real token and row). A minibatch whose mean
-        ratio exceeds ``ratio_threshold`` is skipped (``skipped_minibatches``); one whose loss or gradient
-        is not finite on any rank is never stepped, on any optimiser (``nonfinite_steps``, counted in
-        the checkpoint by ``step_guard``). Afterwards every trained model is checked for non-finite
-        weights. Returns the mean KL(old || new) of the last epoch.
-        """
-        hp = self.hparams
-        params = [p for opt, _ in optimized for group in opt.param_groups for p in group["params"]]
-        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
-        for _ in range(epochs):
-            epoch_kl = []
-            for mb in self.buffer.minibatches():
-                stats: dict[str, torch.Tensor] = {}
-                # a prompt's K rows stay in one micro-batch when the buffer keeps groups (shared-prompt layout)
-                T, K = mb.response_mask.shape[1], self.buffer.group_size
-                for rows, columns, t in self.micro_batches(mb.attention_mask, T, K):
-                    part = mb.select(rows).crop(columns, t)
-                    weight = F.aggregation_weight(part.response_mask, mb.response_mask, loss_aggregation)
-                    loss, part_stats = loss_fn(part)
-                    self.step_guard.observe_loss(loss)
-                    self.manual_backward(loss * weight)
-                    accumulate_stats(stats, part_stats, weight)
-                skip = hp.ratio_threshold is not None and bool(stats["ratio_mean"] > hp.ratio_threshold)
-                finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
-                if finite and not skip:
-                    for opt, model in optimized:
-                        if hp.max_grad_norm is not None:
-                            clip_grad_norm(self, opt, model, hp.max_grad_norm)
-                        opt.step()
-                for opt, _ in optimized:
-                    opt.zero_grad(set_to_none=True)
-                self.update_metrics.update(
-                    {**stats, "skipped_minibatches": float(skip), "nonfinite_steps": float(not finite)}
-                )
-                epoch_kl.append(stats["policy_kl"])
-        for _, model in optimized:
-            what = f"rollout {self.rollouts_done + 1}: {type(model).__name__} after the update"
-            check_finite_weights(model, what)
-        return torch.stack(epoch_kl).mean().item()
-
-    def update_kl_controller(self, kl: torch.Tensor, response_mask: torch.Tensor) -> None:
+    def update_kl_controller(self, kl: torch.Tensor, loss_mask: torch.Tensor) -> None:
         """Advance the KL controller with the mean sequence KL of every rank's rows."""
-        global_kl = self.all_gather(F.masked_row_sum(kl, response_mask).mean()).mean().item()
-        self.kl_ctl.update(global_kl, n_steps=response_mask.shape[0] * self.trainer.world_size)
+        global_kl = self.all_gather(F.masked_row_sum(kl, loss_mask).mean()).mean().item()
+        self.kl_ctl.update(global_kl, n_steps=loss_mask.shape[0] * self.trainer.world_size)
 
     def lr_schedulers_list(self) -> list:
         schedulers = self.lr_schedulers()
@@ -291,7 +351,42 @@ class OnlineRLModule(OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
             return []
         return schedulers if isinstance(schedulers, list) else [schedulers]
 
-    # -- sharding --------------------------------------------------------------------------------------
+    # -- sharding and the engine's lifecycle ------------------------------------------------------------
     @override
     def configure_model(self) -> None:
         shard_models(self, self.sharded_models)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.engine.close()
+        self._engine_model = None
+
+
+def coerce_group(cls: type[Settings], value: Any, argument: str) -> Settings:
+    """``cls.coerce(value)``, its messages prefixed with the module's name."""
+    try:
+        return cls.coerce(value, argument)
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        if not message.startswith(argument.split(":")[0] + ":"):
+            message = f"{argument.split(':')[0]}: {message}"
+        raise type(err)(message) from err
+
+
+def check_responses(out: Responses, prompts: torch.Tensor, settings: GenerationSettings) -> Responses:
+    """What an engine returned, checked against the protocol (shapes, dtypes, the length limit)."""
+    if not isinstance(out, Responses):
+        raise TypeError(f"rollout engine: generate must return lit_rlhf.engines.Responses, got {type(out).__name__}")
+    B = prompts.shape[0]
+    if out.ids.dim() != 2 or out.ids.shape[0] != B or out.ids.shape[1] > settings.max_new_tokens:
+        raise ValueError(
+            f"rollout engine: responses of shape {tuple(out.ids.shape)} for {B} prompt rows and "
+            f"max_new_tokens={settings.max_new_tokens}; expected (B, T) with T <= max_new_tokens"
+        )
+    for name in ("mask", "logprobs", "log_kept_mass", "loss_mask"):
+        value = getattr(out, name)
+        if value is not None and tuple(value.shape) != tuple(out.ids.shape):
+            raise ValueError(f"rollout engine: Responses.{name} has shape {tuple(value.shape)}, ids {tuple(out.ids.shape)}")
+    if out.truncated.shape != (B,):
+        raise ValueError(f"rollout engine: Responses.truncated has shape {tuple(out.truncated.shape)}, expected ({B},)")
+    return out

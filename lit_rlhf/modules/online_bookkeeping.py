@@ -16,37 +16,65 @@ from lit_rlhf.modules.base import drop_frozen_weights, internal_base
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint
 from lit_rlhf.modules.optim import resolve_total_steps
 from lit_rlhf.modules.samples import log_text_table
+from lit_rlhf.rollout import Rollout
 
 
 @internal_base
 class OnlineBookkeeping(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's attributes: ``rollout_metrics``, ``update_metrics``,
-    ``metric_prefix``, ``num_samples``, ``kl_ctl``, ``buffer``, ``rollouts_done``, ``step_guard``, ``actor``, ``tokenizer``, ``rewards``)."""
+    ``metric_prefix``, ``num_samples``, ``kl_ctl``, ``buffer``, ``rollouts_done``, ``step_guard``, ``actor``,
+    ``tokenizer``, ``rewards``, ``samples``, ``max_rollouts``)."""
 
     # -- metrics and samples --------------------------------------------------------------------------
     def log_rollout_stats(
         self,
+        sample: Any,
         scores: torch.Tensor,
         sequence_rewards: torch.Tensor,
         kl: torch.Tensor,
-        response_mask: torch.Tensor,
-        truncated: torch.Tensor,
         entropy: torch.Tensor,
+        old_logprobs: torch.Tensor,
     ) -> None:
-        """Rollout-level metrics, reduced across ranks by torchmetrics; group statistics when K >= 2."""
+        """Rollout-level metrics of a ``Sample`` (``online.Sample``), reduced across ranks by torchmetrics:
+        KL and entropy over the learned tokens, lengths over the response tokens, group statistics when
+        K >= 2, and the engine-vs-trainer mismatch when the engine gave behaviour log-probs."""
+        responses, mask = sample.responses, sample.loss_mask
         stats = {
             "score": scores.mean(),
             "reward": sequence_rewards.mean(),
-            "kl_ref": F.masked_row_sum(kl, response_mask).mean(),
-            "response_length": response_mask.sum(1).float().mean(),
-            "eos_rate": 1.0 - truncated.float().mean(),
-            "entropy": F.masked_mean(entropy, response_mask),
+            "kl_ref": F.masked_row_sum(kl, mask).mean(),
+            "response_length": responses.mask.sum(1).float().mean(),
+            "eos_rate": 1.0 - responses.truncated.float().mean(),
+            "entropy": F.masked_mean(entropy, mask),
         }
         if self.num_samples >= 2:
             stats["group_score_std"], stats["group_all_equal_frac"] = F.group_score_stats(
                 scores, self.num_samples
             )
+        if responses.logprobs is not None:
+            stats.update(F.behavior_mismatch_stats(old_logprobs, responses.logprobs, responses.log_kept_mass, mask))
         self.rollout_metrics.update(stats)
+
+    def build_rollout(self, sample: Any, old_logprobs, ref_logprobs, advantages, scores, **fields: Any) -> Rollout:
+        """The Rollout of a ``Sample`` and its scoring (``old_values``, ``rewards``, ``returns`` as given)."""
+        return Rollout(
+            sample.input_ids, sample.attention_mask, sample.responses.mask, old_logprobs, ref_logprobs,
+            fields.get("old_values"), fields.get("rewards"), advantages, fields.get("returns"), scores,
+            loss_mask=sample.loss_mask, behavior_logprobs=sample.responses.logprobs,
+        )  # fmt: skip
+
+    def optimizers_and_schedulers(self, models: list[torch.nn.Module], factories) -> Any:
+        """``configure_optimizers``'s return for ``models`` and their (optimiser, scheduler) factories: one
+        optimiser each over its trainable parameters, and the schedules stretched to the run's length."""
+        optimizers, schedulers = [], []
+        for model, (optimizer_fn, scheduler_fn) in zip(models, factories):
+            optimizers.append(optimizer_fn([p for p in model.parameters() if p.requires_grad]))
+            if scheduler_fn is not None:
+                schedulers.append(scheduler_fn(optimizers[-1]))
+                resolve_total_steps(schedulers[-1], self.max_rollouts or self.trainer.estimated_stepping_batches)
+        if len(optimizers) == 1 and not schedulers:
+            return optimizers[0]
+        return optimizers, schedulers
 
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         """Per-rollout values of the controllers and learning rates (without prefix)."""
@@ -61,27 +89,27 @@ class OnlineBookkeeping(LightningModule):
         self.log("score", metrics["rollout/score"], prog_bar=True, logger=False)
         self.log("kl", metrics["rollout/kl_ref"], prog_bar=True, logger=False)
         self.rollouts_done += 1
-        every, n = self.hparams.log_samples_every, self.hparams.num_log_samples
+        every, n = self.samples.every, self.samples.rows
         if every and n and (self.rollouts_done - 1) % every == 0:
             texts = self.tokenizer.batch_decode(prompts[:n], skip_special_tokens=True)
             answers = self.rewards.decode_responses(responses[:n], response_mask[:n])
             rows = [(p, r, f"{s:.3f}") for p, r, s in zip(texts, answers, scores[:n].tolist())]
             log_text_table(self, "rollout/samples", ["prompt", "response", "score"], rows)
-        if self.hparams.max_rollouts is not None and self.rollouts_done >= self.hparams.max_rollouts:
+        if self.max_rollouts is not None and self.rollouts_done >= self.max_rollouts:
             self.trainer.should_stop = True
 
     # -- Lightning hooks: limits, checkpoints, export -------------------------------------------------
     @override
     def on_train_start(self) -> None:
         """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run."""
-        total = self.hparams.max_rollouts or self.trainer.estimated_stepping_batches
+        total = self.max_rollouts or self.trainer.estimated_stepping_batches
         for scheduler in self.lr_schedulers_list():
             resolve_total_steps(scheduler, total)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         """Stop before a rollout past ``max_rollouts`` (e.g. when resuming an end-of-run checkpoint)."""
-        limit = self.hparams.max_rollouts
+        limit = self.max_rollouts
         if limit is not None and self.rollouts_done >= limit:
             self.trainer.should_stop = True
             return -1  # Lightning skips the rest of the epoch; should_stop ends the fit
@@ -108,7 +136,7 @@ class OnlineBookkeeping(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
+        state = self.online_state(checkpoint)
         self.step_guard.load_state_dict(state.get("step_guard", {}))
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.buffer.load_state_dict(state["buffer"])
@@ -122,6 +150,11 @@ class OnlineBookkeeping(LightningModule):
             )
         # applied at the next training_step, after Lightning has finished restoring and set up the data
         self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
+
+    @staticmethod
+    def online_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The online modules' part of a checkpoint (``ppo_state`` in checkpoints of earlier versions)."""
+        return checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
 
     def restore_rng(self) -> None:
         """Apply the RNG state of a resumed checkpoint (once, at the first rollout after loading)."""

@@ -1,8 +1,8 @@
 """Evaluation rollouts of the online modules: ``validate`` and ``test``, and validation during ``fit``.
 
 A validation (test) step is an evaluation rollout on a batch of held-out prompts (the DataModule's
-validation or test loader): generate with ``eval_generation`` (sampled, or greedy with ``eval_greedy``),
-score with the reward source (adjusted as in training) and the monitor, measure the KL to the reference,
+validation or test loader): generate with ``evaluation.generation`` over ``generation`` (sampled, or greedy
+with ``evaluation.greedy``), score with the reward source (adjusted as in training) and the monitor, measure the KL to the reference,
 and log means over the whole split as ``val/*`` (``test/*``) with a ``val/samples`` (``test/samples``)
 table. Nothing is updated.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ from lit_rlhf.batching import scatter_rows
 from lit_rlhf.models import policy_forward
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.samples import log_text_table, logger_step
-from lit_rlhf.rollout import GenerationSettings
 
 EVAL_METRICS = ("score", "monitor_score", "kl_ref", "response_length", "eos_rate", "entropy")
 
@@ -56,7 +54,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 @internal_base
 class OnlineEvaluation(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``generate``, ``rewards``,
-    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``, ``eval_generation``, ``rng_seed``, ``tokenizer``)."""
+    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``, ``eval_generation``, ``evaluation``, ``rng_seed``, ``tokenizer``)."""
 
     _rng_after_rollout: dict[str, Any] | None = None
     _eval_samples: list[tuple[str, str, str]] = []
@@ -131,12 +129,12 @@ class OnlineEvaluation(LightningModule):
     @torch.no_grad()
     def evaluation_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int) -> None:
         """One evaluation rollout on a batch of held-out prompts; logs ``{stage}/<metric>`` split means."""
-        settings, hp = self.eval_generation, self.hparams
-        # 1. Check and left-pad the prompts; K = eval_generation.num_samples copies of each.
+        settings, greedy = self.eval_generation, self.evaluation.greedy
+        # 1. Check and left-pad the prompts; K = the evaluation's num_samples copies of each.
         prompts, prompt_mask = self.expand_prompts(batch, settings.num_samples)
         # 2. Generate on a forked, seeded RNG (sampled, or greedy with eval_greedy).
         with self.evaluation_rng(batch_idx, dataloader_idx):
-            responses, response_mask, truncated = self.generate(prompts, prompt_mask, settings, hp.eval_greedy)
+            responses, response_mask, truncated, *_ = self.generate(prompts, prompt_mask, settings, greedy)
         input_ids = torch.cat([prompts, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
         T = responses.shape[1]
@@ -146,7 +144,7 @@ class OnlineEvaluation(LightningModule):
             self.rewards.score(input_ids, attention_mask, T, batches), truncated
         )  # (B,)
         logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
-        kl = F.kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)  # (B, T)
+        kl = F.kl_penalty(logprobs, ref_logprobs, self.kl.estimator)  # (B, T)
         metrics = {
             "score": scores.mean(),
             "kl_ref": F.masked_row_sum(kl, response_mask).mean(),
@@ -167,7 +165,7 @@ class OnlineEvaluation(LightningModule):
 
     def sample_rows(self, prompts, responses, response_mask, scores) -> list[tuple[str, str, str]]:
         """The first ``num_log_samples`` (prompt, response, score) rows of a rollout, as text."""
-        n = self.hparams.num_log_samples
+        n = self.samples.rows
         texts = self.tokenizer.batch_decode(prompts[:n], skip_special_tokens=True)
         answers = self.rewards.decode_responses(responses[:n], response_mask[:n])
         return [(p, r, f"{s:.3f}") for p, r, s in zip(texts, answers, scores[:n].tolist())]
@@ -182,22 +180,3 @@ class OnlineEvaluation(LightningModule):
         step = max(self.rollouts_done - 1, 0) if fitting else logger_step(self.trainer)
         log_text_table(self, f"{stage}/samples", ["prompt", "response", "score"], rows, step=step)
 
-
-def evaluation_settings(
-    generation: GenerationSettings, eval_generation: GenerationSettings | dict | None
-) -> GenerationSettings:
-    """The settings of evaluation rollouts: ``eval_generation`` as given, or (None or a dict of fields)
-    the training ``generation`` with one sample per prompt, the dict's fields overriding."""
-    if isinstance(eval_generation, GenerationSettings):
-        return eval_generation
-    overrides = dict(eval_generation or {})
-    if not isinstance(eval_generation, (dict, type(None))):
-        raise TypeError(
-            f"eval_generation: expected GenerationSettings, a dict of its fields or None, "
-            f"got {type(eval_generation).__name__}"
-        )
-    names = [f.name for f in fields(GenerationSettings)]
-    unknown = sorted(set(overrides) - set(names))
-    if unknown:
-        raise TypeError(f"eval_generation: unknown GenerationSettings field(s) {unknown}; valid ones are {names}")
-    return replace(generation, **{"num_samples": 1, **overrides})

@@ -32,7 +32,7 @@ from lit_rlhf.rollout import Rollout
 @internal_base
 class RolloutScoring(LightningModule):
     """Scoring half of the online base (a mixin: the module's ``__init__`` sets what it reads: ``actor``,
-    ``reference``, ``rewards``, ``monitor``, ``bucketing``, ``shared_prefix``, ``generation``)."""
+    ``reference``, ``rewards``, ``monitor``, ``scoring``, ``shared_prefix``, ``generation``)."""
 
     def shared_prefix_layout(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
@@ -52,7 +52,7 @@ class RolloutScoring(LightningModule):
     def packs_groups(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> bool:
         """Whether the update should keep each prompt's K rows together (the shared-prompt layout packs
         a micro-batch of ``forward_batch_size`` rollout rows)."""
-        rows = slice(0, self.hparams.forward_batch_size)
+        rows = slice(0, self.scoring.forward_batch_size)
         return self.num_samples > 1 and self.shared_prefix_layout(input_ids[rows], attention_mask[rows], T) is not None
 
     def actor_forward(
@@ -135,7 +135,7 @@ class RolloutScoring(LightningModule):
         rows each, length-bucketed and trimmed under ``bucketing`` where that saves compute, else
         consecutive rows at the full width; ``group_size`` consecutive rows stay together."""
         return rollout_micro_batches(
-            attention_mask, T, self.bucketing.resolved(self.actor), self.hparams.forward_batch_size, group_size
+            attention_mask, T, self.scoring.bucketing.resolved(self.actor), self.scoring.forward_batch_size, group_size
         )
 
     @torch.no_grad()
@@ -184,7 +184,7 @@ class RolloutScoring(LightningModule):
             self.rollout_metrics.update({"nonfinite_scores": totals[0]})
         if totals[0] == 0:
             return ~bad
-        policy = self.hparams.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
+        policy = self.scoring.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
         rollout = self.rollouts_done + 1
         if not bad.any():
             if policy == "raise":
@@ -216,9 +216,10 @@ class RolloutScoring(LightningModule):
         return replace(rollout, advantages=advantages, returns=returns)
 
     def adjust_scores(self, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-        """Missing-EOS penalty, then optional clipping of the sequence scores (seeds/000)."""
-        if self.hparams.missing_eos_penalty is not None:
-            scores = scores - self.hparams.missing_eos_penalty * truncated.float()
-        if self.hparams.score_clip is not None:
-            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
+        """Missing-EOS penalty, then optional clipping of the sequence scores (``scoring``)."""
+        scoring = self.scoring
+        if scoring.missing_eos_penalty is not None:
+            scores = scores - scoring.missing_eos_penalty * truncated.float()
+        if scoring.score_clip is not None:
+            scores = scores.clamp(-scoring.score_clip, scoring.score_clip)
         return scores

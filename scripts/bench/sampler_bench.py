@@ -58,7 +58,7 @@ def main() -> None:
         for name in SAMPLERS if repeat % 2 == 0 else SAMPLERS[::-1]:
             torch.manual_seed(repeat)
             start_wall, start_cpu = time.perf_counter(), time.process_time()
-            responses, response_mask, _ = generate_responses(
+            responses, response_mask, *_ = generate_responses(
                 actor, ids, mask, settings[name], eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id, group_size=K,
             )  # fmt: skip

@@ -1,0 +1,186 @@
+"""Response generation with Hugging Face ``generate`` (KV cache on), with the behaviour log-probs.
+
+Every sampled token's log-prob under the distribution it was drawn from (temperature, top-k, top-p, as
+``generate`` warps) comes from the scores that drew it: the sampler is a logits processor that records it
+(``lit_rlhf.models.sampling``), so no forward is added. Greedy decoding has none.
+
+Shapes: B rows (prompts x K samples, each prompt's K rows contiguous), P prompt length (left-padded),
+T response length (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import LogitsProcessorList
+
+from lit_rlhf.engines.base import Responses
+from lit_rlhf.models import position_ids_from_mask
+from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
+from lit_rlhf.models.prefill import is_grouped, prefill_groups
+from lit_rlhf.models.sampling import (
+    BehaviourRecorder,
+    InverseCDFSampler,
+    MultinomialRecorder,
+    resolve_sampler,
+)
+
+if TYPE_CHECKING:  # lit_rlhf.rollout re-exports this module's functions
+    from lit_rlhf.rollout import GenerationSettings
+
+__all__ = ["generate_responses", "generation_kwargs", "response_mask_from_tokens"]
+
+# fields of an engine's options (``lit_rlhf.engines.HFOptions``) that override those of GenerationSettings
+OPTION_FIELDS = ("group_prefill", "sampler", "transposed_head")
+
+
+def response_mask_from_tokens(
+    responses: torch.Tensor, stop_token_ids: list[int], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of real response tokens: up to and including the first stop token, never padding.
+
+    Args:
+        responses: (B, T) generated token ids (``generate`` pads finished rows with ``pad_token_id``).
+        stop_token_ids: ids that end a response (EOS and configured stops).
+        pad_token_id: the tokenizer's dedicated pad id (it is suppressed during sampling).
+
+    Returns:
+        response_mask: (B, T) bool, 1 = real token.
+        has_stop: (B,) bool, True where the response contains a stop token.
+    """
+    is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))
+    stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()
+    response_mask = (stops_before == 0) & (responses != pad_token_id)
+    return response_mask, is_stop.any(dim=1)
+
+
+def generation_kwargs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: GenerationSettings,
+    stop_ids: list[int],
+    pad_token_id: int,
+    tokenizer: object | None = None,
+    synced_gpus: bool = False,
+    greedy: bool = False,
+    vocab_size: int | None = None,
+) -> dict:
+    """Keyword arguments of ``model.generate`` for one rollout (see :func:`generate_responses`).
+
+    Position ids are given explicitly, computed from the mask as the scoring forwards do: some models
+    (GPT-2) otherwise generate left-padded rows at shifted positions, so the sampling distribution
+    would differ from the one ``old_logprobs`` are computed under. ``greedy`` decodes by argmax (an
+    evaluation setting; the sampling fields of ``settings`` are then not passed).
+
+    Sampling warps the scores in the last logits processor, a ``BehaviourRecorder`` that records each
+    drawn token's log-prob: by inverse CDF (``settings.sampler``; ``vocab_size``: the model's, for the
+    ``"auto"`` sampler) an ``InverseCDFSampler`` in a greedy ``generate``, whose argmax takes the token it
+    drew; by multinomial a ``MultinomialRecorder`` in ``generate(do_sample=True)`` with ``generate``'s own
+    warpers off, whose scores are those ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)``
+    would sample (same warpers, same order, after the same processors), so the same tokens are drawn.
+    """
+    off = dict(temperature=None, top_k=None, top_p=None)
+    if greedy:
+        sampling = dict(do_sample=False, **off)
+    else:
+        # drawn from the last logits processor's scores, after generate's own ones (the suppressed pad, ...)
+        inverse_cdf = resolve_sampler(settings.sampler, input_ids.device, vocab_size) == "inverse_cdf"
+        recorder = (InverseCDFSampler if inverse_cdf else MultinomialRecorder)(
+            settings.temperature, settings.top_k, settings.top_p
+        )
+        sampling = dict(do_sample=not inverse_cdf, **off, logits_processor=LogitsProcessorList([recorder]))
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        max_new_tokens=settings.max_new_tokens,
+        **sampling,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        suppress_tokens=[pad_token_id],
+        stop_strings=settings.stop_strings or None,
+        tokenizer=tokenizer if settings.stop_strings else None,
+        use_cache=True,
+        synced_gpus=synced_gpus,
+    )
+
+
+@torch.no_grad()
+def generate_responses(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: GenerationSettings,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    tokenizer: object | None = None,
+    synced_gpus: bool = False,
+    greedy: bool = False,
+    group_size: int = 1,
+    options: Any | None = None,
+) -> Responses:
+    """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
+
+    Args:
+        model: causal LM (or peft model) with ``generate``.
+        input_ids: (B, P) left-padded prompts; attention_mask: (B, P).
+        settings: sampling settings.
+        eos_token_id, pad_token_id: the tokenizer's ids; pad is never sampled.
+        tokenizer: needed by ``generate`` only when ``settings.stop_strings`` is set.
+        synced_gpus: keep every rank generating until all are done (sharded models hang otherwise).
+        greedy: argmax decoding instead of sampling (evaluation only: a rollout must be sampled).
+        group_size: K when the rows come in contiguous groups of K copies of one prompt (what
+            ``expand_prompts`` of the online modules builds); the prefill is then shared per group where
+            ``settings.shares_prefill`` says so.
+        options: how ``generate`` runs, an object with the ``OPTION_FIELDS`` (an engine's ``HFOptions``),
+            which then take precedence over those fields of ``settings``; None reads them from ``settings``.
+
+    Returns:
+        ``Responses`` (``lit_rlhf.engines.base``): ids (B, T) token ids, T <= max_new_tokens, padding after
+        the stop; mask (B, T) bool; truncated (B,) bool, no stop within the length limit; logprobs (B, T)
+        float32, each token's log-prob under the warped distribution it was sampled from, and
+        log_kept_mass (B, T) float32, the log of the tempered mass the top-k/top-p truncation kept, both 0
+        off the mask (None when greedy); loss_mask None. The distribution sampled from is the one left by
+        ``generate``'s other processors: the pad token is suppressed (probability 0), so
+        ``logprobs + log_kept_mass`` is the scoring log-prob of the tempered logits plus
+        ``-log(1 - p_pad)``, ``p_pad`` being the tempered probability a scoring forward gives the pad token.
+
+    Raises:
+        ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
+    """
+    if options is not None:
+        settings = replace(settings, **{name: getattr(options, name) for name in OPTION_FIELDS})
+    stop_ids = [eos_token_id, *settings.stop_token_ids]
+    kwargs = generation_kwargs(
+        input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy,
+        vocab_size=output_vocab_size(model),
+    )  # fmt: skip
+    recorder = next((p for p in kwargs.get("logits_processor", ()) if isinstance(p, BehaviourRecorder)), None)
+    if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
+        if not is_grouped(input_ids, attention_mask, group_size):
+            raise ValueError(
+                f"generate_responses: group_size={group_size}, but the {input_ids.shape[0]} prompt rows are "
+                f"not contiguous groups of {group_size} copies of one prompt"
+            )
+        cache = prefill_groups(model, input_ids, attention_mask, group_size)
+        if cache is not None:
+            kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
+    with transposed_lm_head(model, enabled=settings.transposed_head):
+        out = model.generate(**kwargs)
+    responses = out[:, input_ids.shape[1] :]
+    response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
+    lengths = response_mask.sum(dim=1)
+    # A row without a stop id that ended early was stopped by a stop string.
+    truncated = ~has_stop & (lengths >= settings.max_new_tokens)
+    if recorder is None:
+        return Responses(responses, response_mask, truncated)
+    logprobs, log_kept_mass = recorder.behaviour(responses)  # (B, T) each
+    zero = logprobs.new_zeros(())
+    return Responses(
+        responses, response_mask, truncated,
+        logprobs=torch.where(response_mask, logprobs, zero),
+        log_kept_mass=torch.where(response_mask, log_kept_mass, zero),
+    )  # fmt: skip

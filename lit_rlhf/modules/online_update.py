@@ -1,0 +1,100 @@
+"""The update phase of :class:`~lit_rlhf.modules.online.OnlineRLModule`: epochs of minibatch steps over the
+buffered rollout, in micro-batches, with the non-finite guard, the loss contract and the engine's weight
+sync after the update.
+
+Shapes: B rollout rows, T response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lit_rlhf import functional as F
+from lit_rlhf.guards import check_finite_weights
+from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.distributed import clip_grad_norm
+from lit_rlhf.modules.metrics import accumulate_stats
+from lit_rlhf.rollout import Rollout
+
+LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@internal_base
+class OnlineUpdate(LightningModule):
+    """Mixin of OnlineRLModule (it relies on the base's ``buffer``, ``update``, ``step_guard``, ``engine``,
+    ``update_metrics``, ``loss_stats``, ``micro_batches``, ``rollouts_done``, ``actor``)."""
+
+    def run_update_epochs(
+        self, loss_fn: LossFn, optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]]
+    ) -> float:
+        """``update.epochs`` passes over shuffled minibatches of the buffered rollout, one optimiser step each.
+
+        Each minibatch is processed in micro-batches of at most ``scoring.forward_batch_size`` rows
+        (length-bucketed and trimmed under ``scoring.bucketing``, see :meth:`micro_batches`) whose losses are
+        weighted by their share of the minibatch (learned tokens, or rows for the sequence-mean
+        aggregations), so the accumulated gradient equals the minibatch's loss. A minibatch whose mean ratio
+        exceeds ``update.ratio_threshold`` is skipped (``skipped_minibatches``); one whose loss or gradient
+        is not finite on any rank is never stepped, on any optimiser (``nonfinite_steps``). Afterwards every
+        trained model is checked for non-finite weights, and the engine (asleep during the update) wakes up
+        and, when an optimiser step was taken, syncs the actor's new weights. Returns the mean
+        KL(old || new) of the last epoch.
+        """
+        update = self.update
+        params = [p for opt, _ in optimized for group in opt.param_groups for p in group["params"]]
+        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
+        stepped = False
+        self.engine.sleep()
+        for _ in range(update.epochs):
+            epoch_kl = []
+            for mb in self.buffer.minibatches():
+                stats = self.accumulate_minibatch(loss_fn, mb)
+                skip = update.ratio_threshold is not None and bool(stats["ratio_mean"] > update.ratio_threshold)
+                finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
+                if finite and not skip:
+                    for opt, model in optimized:
+                        if update.max_grad_norm is not None:
+                            clip_grad_norm(self, opt, model, update.max_grad_norm)
+                        opt.step()
+                    stepped = True
+                for opt, _ in optimized:
+                    opt.zero_grad(set_to_none=True)
+                self.update_metrics.update(
+                    {**stats, "skipped_minibatches": float(skip), "nonfinite_steps": float(not finite)}
+                )
+                epoch_kl.append(stats["policy_kl"])
+        for _, model in optimized:
+            check_finite_weights(model, f"rollout {self.rollouts_done + 1}: {type(model).__name__} after the update")
+        self.engine.wake_up()
+        if stepped:
+            self.engine.sync_weights(self.actor)
+        return torch.stack(epoch_kl).mean().item()
+
+    def accumulate_minibatch(self, loss_fn: LossFn, mb: Rollout) -> dict[str, torch.Tensor]:
+        """Backward of one minibatch's loss, micro-batch by micro-batch; returns its weighted stats."""
+        stats: dict[str, torch.Tensor] = {}
+        aggregation = self.update.loss_aggregation
+        # a prompt's K rows stay in one micro-batch when the buffer keeps groups (shared-prompt layout)
+        T, K = mb.response_mask.shape[1], self.buffer.group_size
+        for rows, columns, t in self.micro_batches(mb.attention_mask, T, K):
+            part = mb.select(rows).crop(columns, t)
+            weight = F.aggregation_weight(part.loss_mask, mb.loss_mask, aggregation)
+            loss, part_stats = loss_fn(part)
+            self.check_stats(part_stats)
+            self.step_guard.observe_loss(loss)
+            self.manual_backward(loss * weight)
+            accumulate_stats(stats, part_stats, weight)
+        return stats
+
+    def check_stats(self, stats: dict[str, torch.Tensor]) -> None:
+        """The loss returned the stats the update loop reads and only declared ones (``loss_stats``)."""
+        name = type(self).__name__
+        missing = [s for s in self.required_stats(self.update) if s not in stats]
+        if missing:
+            raise KeyError(f"{name}: its loss returned no {missing} (returned {sorted(stats)}); the update loop reads them")
+        undeclared = sorted(set(stats) - set(self.loss_stats))
+        if undeclared:
+            raise KeyError(f"{name}: its loss returned undeclared stat(s) {undeclared}; add them to `loss_stats`")
