@@ -14,11 +14,13 @@ left-padded prompt and right-padded response are padded separately), L columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 from weakref import WeakKeyDictionary
 
 import torch
+
+from lit_rlhf.settings import Settings
 
 __all__ = [
     "SPLIT_WORK",
@@ -145,7 +147,7 @@ def padded_tokens(lengths: torch.Tensor, plan: Sequence[torch.Tensor]) -> int:
 
 
 @dataclass
-class Bucketing:
+class Bucketing(Settings):
     """Length-bucketed micro-batches (see :mod:`lit_rlhf.batching`): exact, on where it saves compute.
 
     Attributes:
@@ -164,6 +166,8 @@ class Bucketing:
             (whose micro-batches then stay whole: a few milliseconds to gain). None = fill micro-batches
             up to the budget without splitting.
     """
+
+    group: ClassVar[str] = "bucketing"
 
     enabled: bool = True
     token_budget: int | None = 4096
@@ -188,28 +192,10 @@ class Bucketing:
     @classmethod
     def coerce(cls, value: Any, argument: str = "bucketing") -> Bucketing:
         """Settings from what a user passes: ``Bucketing``, a dict of its fields, None (defaults) or a bool
-        (``enabled``).
-
-        Raises:
-            TypeError: another type, or a dict with unknown fields (named with ``argument``).
-            ValueError: a field out of range.
-        """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
+        (``enabled``); see :meth:`Settings.coerce`."""
         if isinstance(value, bool):
             return cls(enabled=value)
-        if isinstance(value, dict):
-            names = [f.name for f in fields(cls)]
-            unknown = sorted(set(value) - set(names))
-            if unknown:
-                raise TypeError(f"{argument}: unknown Bucketing field(s) {unknown}; valid ones are {names}")
-            return cls(**value)
-        raise TypeError(f"{argument}: expected Bucketing, a dict of its fields or a bool, got {type(value).__name__}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return super().coerce(value, argument)
 
     def plan(
         self, lengths: torch.Tensor, width: int, max_rows: int | None = None, group_size: int = 1

@@ -17,8 +17,10 @@ options given on the command line are applied again on top of them, so they win.
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Any
@@ -29,6 +31,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from lit_rlhf.callbacks import SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
+from lit_rlhf.modules.online_settings import migrate_checkpoint_hparams, moved_hint
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -95,6 +98,44 @@ def model_flags(args: list[str]) -> list[str]:
     return flags
 
 
+MOVED_MARKER = "the online modules' flat arguments moved into settings groups:"
+# where jsonargparse's messages name a key it does not accept (config file, command line)
+_UNKNOWN_KEY_PATTERNS = (
+    r"Option '([\w.]+)' is not accepted", r"NestedArg\(key='([\w.]+)'", r"Key '([\w.]+)' is not expected",
+    r"unrecognized arguments: --([\w.]+)",
+)  # fmt: skip
+
+
+def moved_keys_message(message: str) -> str | None:
+    """For a parse error about keys of the earlier flat layout of the online modules, one message that
+    names each key's new place (None when the error is about something else)."""
+    patterns = (*_UNKNOWN_KEY_PATTERNS, r"'(\w+)' is now")  # (the latter: a nested parser's rewritten error)
+    keys = list(dict.fromkeys(k for pattern in patterns for k in re.findall(pattern, message)))
+    keys = [k.removeprefix("model.init_args.").removeprefix("model.") for k in keys]
+    module = re.search(r"class_path '[\w.]*\.(\w+)'", message)
+    module = module.group(1) if module else None
+    if not any(moved_hint(k, module) for k in keys):
+        return None
+    given = re.search(r"Given value: (\{.*\})\s*$", message, flags=re.M)
+    try:  # every flat key of the config's init_args, not only the first one jsonargparse names
+        init_args = ast.literal_eval(given.group(1)).get("init_args", {}) if given else {}
+        keys = list(dict.fromkeys([*keys, *init_args]))
+    except (ValueError, SyntaxError, AttributeError):
+        pass
+    hints = [h for h in (moved_hint(k, module) for k in keys) if h]
+    return (
+        f"{MOVED_MARKER} " + "; ".join(hints)
+        + " (in YAML e.g. `update: {epochs: 2}`, on the command line `--model.init_args.update.epochs 2`)"
+    )
+
+
+class LitRLHFArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors about moved arguments say where they went."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        return super().error(moved_keys_message(message) or message, ex)
+
+
 class LitRLHFCLI(LightningCLI):
     """LightningCLI with lit_rlhf's defaults (TensorBoard logger, progress bar, overwritable config).
 
@@ -142,8 +183,10 @@ class LitRLHFCLI(LightningCLI):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
-        if "_class_path" in hparams:
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        class_path = hparams.pop("_class_path", None)
+        if class_path is not None:
+            hparams = migrate_checkpoint_hparams(class_path, hparams, str(ckpt_path))
+            hparams = {"class_path": class_path, "dict_kwargs": hparams}
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         flags = model_flags(self._command_line)
         if flags:
@@ -181,6 +224,7 @@ def run_cli(args: list[str] | None = None) -> LitRLHFCLI:
         trainer_defaults={"logger": DEFAULT_LOGGER},
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
+        parser_class=LitRLHFArgumentParser,
         args=args,
     )
 

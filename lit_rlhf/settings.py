@@ -15,10 +15,12 @@ S = TypeVar("S", bound="Settings")
 __all__ = ["Settings"]
 
 
+@dataclasses.dataclass
 class Settings:
-    """Mixin of the settings dataclasses: ``coerce`` from plain values, plain ``as_dict``, range checks.
+    """Base of the settings dataclasses: ``coerce`` from plain values, plain ``as_dict``, range checks.
 
-    A subclass is a ``@dataclass`` that sets ``group`` (the key users write, used in messages) and checks
+    A subclass is a ``@dataclass`` (a dataclass all the way down, so jsonargparse shows its fields as
+    nested options rather than a ``class_path``) that sets ``group`` (the key users write, used in messages) and checks
     its fields in ``__post_init__`` with :meth:`require`.
     """
 

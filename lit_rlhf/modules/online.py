@@ -18,10 +18,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, is_dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_rlhf import functional as F
@@ -49,6 +51,7 @@ from lit_rlhf.modules.online_settings import (
     SampleSettings,
     ScoringSettings,
     UpdateSettings,
+    migrate_checkpoint_hparams,
     moved_hint,
 )
 from lit_rlhf.modules.online_update import OnlineUpdate
@@ -62,6 +65,8 @@ ROLLOUT_METRICS = (
     "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
 )  # fmt: skip
 LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# set while load_from_checkpoint constructs a module: flat hyper-parameters of old checkpoints are mapped
+_LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)
 
 
 class Sample(NamedTuple):
@@ -155,6 +160,10 @@ class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookk
         name = type(self).__name__
         given = dict(generation=generation, update=update, kl=kl, scoring=scoring, samples=samples,
                      evaluation=evaluation, **groups)  # fmt: skip
+        if _LOADING_CHECKPOINT.get() and set(groups) - set(self.settings_groups):  # an old flat checkpoint
+            rank_zero_warn(f"{name}: the checkpoint's flat hyper-parameters were mapped into settings groups")
+            given = migrate_checkpoint_hparams(type(self), {k: v for k, v in given.items() if v is not None})
+            engine = given.pop("engine", engine)
         self.check_arguments(given, reward_model, reward_fn, max_rollouts)
         for key, cls in self.settings_groups.items():  # self.update, self.kl, ... (checked groups)
             setattr(self, key, coerce_group(cls, given.get(key), f"{name}: {key}"))
@@ -197,6 +206,16 @@ class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookk
         self.save_plain_hyperparameters(inspect.currentframe().f_back, shared)
 
     # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> OnlineRLModule:
+        """Lightning's ``load_from_checkpoint``; a checkpoint written with the earlier flat arguments
+        (``ppo_epochs``, ``kl_coef``, ...) has them mapped into their settings groups."""
+        token = _LOADING_CHECKPOINT.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _LOADING_CHECKPOINT.reset(token)
+
     def check_arguments(self, groups: dict, reward_model, reward_fn, max_rollouts) -> None:
         """Refuse unknown arguments (naming the settings group an old flat one moved to) and the
         cross-argument mistakes no single group can see."""

@@ -423,3 +423,17 @@ def migrate_flat_kwargs(cls: type | str, kwargs: dict[str, Any]) -> dict[str, An
             out["engine"] = {"class_path": "lit_rlhf.engines.HFEngine", "init_args": engine_args}
     return out
 
+
+
+def migrate_checkpoint_hparams(cls: type | str, hparams: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
+    """The hyper-parameters of a checkpoint written with the earlier flat layout, in groups (unchanged when
+    they are in the current layout or belong to another module).
+
+    ``metric_prefix`` and ``update_metrics`` (stored by the earliest versions) are dropped; a key that is
+    neither a current argument nor a known flat one is left for the loader to refuse.
+    """
+    name = _module_name(cls)
+    if name not in MOVED or not any(k in MOVED[name] for k in hparams):
+        return hparams
+    hparams = {k: v for k, v in hparams.items() if k not in ("metric_prefix", "update_metrics")}
+    return migrate_flat_kwargs(name, hparams)
