@@ -72,19 +72,19 @@ class TimedPPO(PPOModule):
         super().training_step(batch, batch_idx)
         self.times["rollout"].append(time.perf_counter() - start)
 
-    def generate(self, prompts, prompt_mask):
+    def generate(self, prompts, prompt_mask, settings=None, greedy=False):
         start = time.perf_counter()
-        out = super().generate(prompts, prompt_mask)
+        out = super().generate(prompts, prompt_mask, settings, greedy)
         self.times["generate"].append(time.perf_counter() - start)
-        self.tokens["generate"] += int(out[1].sum())
-        self._rollout_tokens = int(prompt_mask.sum() + out[1].sum())
+        self.tokens["generate"] += int(out.mask.sum())
+        self._rollout_tokens = int(prompt_mask.sum() + out.mask.sum())
         return out
 
-    def ppo_epochs(self):
+    def run_update_epochs(self, loss_fn, optimized):
         start = time.perf_counter()
-        kl = super().ppo_epochs()
+        kl = super().run_update_epochs(loss_fn, optimized)
         self.times["update"].append(time.perf_counter() - start)
-        self.tokens["update"] += self._rollout_tokens * self.hparams.ppo_epochs
+        self.tokens["update"] += self._rollout_tokens * self.update.epochs
         return kl
 
 
@@ -135,10 +135,9 @@ def main() -> None:
         actor=spec,
         reward_model=ModelSpec(config=cfg, tokenizer=args.tokenizer, dtype="bfloat16", seed=1),
         generation=GenerationSettings(max_new_tokens=new_tokens),
-        ppo_epochs=1,
-        num_minibatches=2,
-        forward_batch_size=batch // 2,
-        log_samples_every=0,
+        update={"epochs": 1, "num_minibatches": 2},
+        scoring={"forward_batch_size": batch // 2},
+        samples={"every": 0},
         max_rollouts=args.rollouts,
     )
     prompts = random_rows(batch * args.rollouts, prompt_len, cfg["vocab_size"], left_pad=prompt_len // 4)

@@ -34,6 +34,7 @@ from conftest import llama_config  # noqa: E402
 from ppo_helpers import PROMPTS, adamw  # noqa: E402
 
 from lit_rlhf.data import PreferenceDataModule  # noqa: E402
+from lit_rlhf.engines import Responses  # noqa: E402
 from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
 from lit_rlhf.modules import CriticFreeModule, DPOModule, PPOModule, RewardModelModule  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
@@ -142,11 +143,11 @@ def prompt_loader(args, tok) -> torch.utils.data.DataLoader:
 class RecordingPPO(PPOModule):
     """Keeps the first rollout's (prompt, response) token ids."""
 
-    def generate(self, prompts, prompt_mask):
-        out = super().generate(prompts, prompt_mask)
+    def generate(self, prompts, prompt_mask, settings=None, greedy=False):
+        out = super().generate(prompts, prompt_mask, settings, greedy)
         if not hasattr(self, "first_responses"):
             self.first_responses = [
-                (p[m.bool()].tolist(), r[rm].tolist()) for p, m, r, rm in zip(prompts, prompt_mask, out[0], out[1])
+                (p[m.bool()].tolist(), r[rm].tolist()) for p, m, r, rm in zip(prompts, prompt_mask, out.ids, out.mask)
             ]
         return out
 
@@ -178,11 +179,10 @@ def ppo_module(args, lora: bool) -> RecordingPPO:
         reward_fn="ppo_rewards:e_rate",
         share_critic_backbone=lora,
         generation=GenerationSettings(max_new_tokens=6, top_k=1),
-        ppo_epochs=2,
-        num_minibatches=1,
-        forward_batch_size=4,
-        whiten_rewards=True,  # advantages are whitened by default
-        log_samples_every=0,
+        update={"epochs": 2, "num_minibatches": 1},
+        scoring={"forward_batch_size": 4},
+        advantage={"whiten_rewards": True},  # advantages are whitened by default
+        samples={"every": 0},
         actor_optimizer=adamw(1e-2),
         critic_optimizer=adamw(1e-2),
     )
@@ -237,20 +237,31 @@ class RowSeededGRPO(CriticFreeModule):
     (``seq_mean_token_mean``): a mean over equal numbers of rows per rank equals the global one.
     """
 
-    def generate(self, prompts, prompt_mask):
+    def generate(self, prompts, prompt_mask, settings=None, greedy=False):
         rows = []
         for i in range(prompts.shape[0]):
             seed = int(prompts[i][prompt_mask[i].bool()].sum()) * 1009 + (i % self.num_samples) * 101
             with torch.random.fork_rng():
                 torch.manual_seed(seed + self.rollouts_done)
-                rows.append(super().generate(prompts[i : i + 1], prompt_mask[i : i + 1]))
-        width = max(r[0].shape[1] for r in rows)
-        pad = self.tokenizer.pad_token_id
-        responses = torch.cat(
-            [torch.nn.functional.pad(r[0], (0, width - r[0].shape[1]), value=pad) for r in rows]
-        )
-        response_mask = torch.cat([torch.nn.functional.pad(r[1], (0, width - r[1].shape[1])) for r in rows])
-        return responses, response_mask, torch.cat([r[2] for r in rows])
+                rows.append(super().generate(prompts[i : i + 1], prompt_mask[i : i + 1], settings, greedy))
+        return cat_responses(rows, self.tokenizer.pad_token_id)
+
+
+def cat_responses(rows: list[Responses], pad: int) -> Responses:
+    """The rows' ``Responses`` as one batch, each right-padded to the widest (ids with ``pad``, the masks
+    and log-probs with 0); a field None in any row is None."""
+    width = max(r.ids.shape[1] for r in rows)
+
+    def cat(name: str, value: float = 0):
+        parts = [getattr(r, name) for r in rows]
+        if any(part is None for part in parts):
+            return None
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts])
+
+    return Responses(
+        cat("ids", pad), cat("mask"), torch.cat([r.truncated for r in rows]),
+        cat("logprobs"), cat("log_kept_mass"), cat("loss_mask"),
+    )  # fmt: skip
 
 
 GRPO_KEYS = (
@@ -265,14 +276,10 @@ def run_grpo(args, tok) -> dict:
         actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
         reward_fn="ppo_rewards:e_rate",
         generation=GenerationSettings(max_new_tokens=6, num_samples=2),
-        ppo_epochs=2,
-        num_minibatches=1,
-        forward_batch_size=4,
-        loss_aggregation="seq_mean_token_mean",
-        kl_coef=0.05,
-        kl_target=1.0,
-        kl_loss_coef=0.05,
-        log_samples_every=0,
+        update={"epochs": 2, "num_minibatches": 1, "loss_aggregation": "seq_mean_token_mean"},
+        scoring={"forward_batch_size": 4},
+        kl={"coef": 0.05, "target": 1.0, "loss_coef": 0.05},
+        samples={"every": 0},
         actor_optimizer=adamw(1e-2),
     )
     make_trainer(args, "grpo", max_epochs=3).fit(module, prompt_loader(args, tok))

@@ -36,6 +36,23 @@ def prompt_loader(tokenizer_dir: str, n: int = 16, batch_size: int = 8) -> torch
     return torch.utils.data.DataLoader(rows, batch_size=batch_size)
 
 
+# the settings groups whose keys an override merges into the helpers' defaults (``generation``, a group the
+# old flat layout had too, is replaced whole, as before)
+MERGED_GROUPS = ("update", "kl", "scoring", "samples", "evaluation", "advantage")
+
+
+def merge_groups(defaults: dict, overrides: dict) -> dict:
+    """``defaults`` updated with ``overrides``; a dict given for a settings group is merged into the default
+    dict of that group (``update={"epochs": 1}`` keeps the helper's ``num_minibatches``)."""
+    out = dict(defaults)
+    for key, value in overrides.items():
+        if key in MERGED_GROUPS and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
 def adamw(lr: float):
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
@@ -45,34 +62,30 @@ def tiny_ppo(tokenizer_dir: str, config: dict, cls: type[PPOModule] = PPOModule,
         actor=ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0),
         reward_fn="ppo_rewards:the_count",
         generation=GenerationSettings(max_new_tokens=8),
-        ppo_epochs=4,
-        num_minibatches=2,
-        forward_batch_size=4,
-        log_samples_every=0,
+        update={"epochs": 4, "num_minibatches": 2},
+        scoring={"forward_batch_size": 4},
+        samples={"every": 0},
         monitor_reward_fn="ppo_rewards:the_count",
         actor_optimizer=adamw(1e-2),
         critic_optimizer=adamw(1e-2),
         rng_seed=0,  # not the global seed another test may have left behind (rng_seed=None follows it)
     )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    return cls(**merge_groups(kwargs, overrides))
 
 
 def tiny_critic_free(tokenizer_dir: str, config: dict, **overrides) -> CriticFreeModule:
-    """GRPO with K = 4 samples per prompt on the 'the' count (override advantage_estimator etc.)."""
+    """GRPO with K = 4 samples per prompt on the 'the' count (override advantage={'estimator': ...} etc.)."""
     kwargs = dict(
         actor={"config": config, "tokenizer": tokenizer_dir, "seed": 0},
         reward_fn="ppo_rewards:the_count",
         generation={"max_new_tokens": 8, "num_samples": 4},
-        ppo_epochs=4,
-        num_minibatches=2,
-        forward_batch_size=8,
-        log_samples_every=0,
+        update={"epochs": 4, "num_minibatches": 2},
+        scoring={"forward_batch_size": 8},
+        samples={"every": 0},
         actor_optimizer=adamw(1e-2),
         rng_seed=0,
     )
-    kwargs.update(overrides)
-    return CriticFreeModule(**kwargs)
+    return CriticFreeModule(**merge_groups(kwargs, overrides))
 
 
 def trainer(tmp_path, **kwargs) -> Trainer:

@@ -58,13 +58,14 @@ def _generate(model, tok, ids, mask, settings, seed: int = 0, greedy: bool = Fal
     )  # fmt: skip
 
 
-def _teacher_forced_logits(model, ids, mask, out: Responses, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _teacher_forced_logits(model, ids, mask, out: Responses, pad_token_id: int):
     """(B, T, V) float32 logits of one full forward of prompt + response at the response tokens, as the
     scoring forwards compute them (explicit positions from the mask), and the same with pad at -inf."""
     sequences = torch.cat([ids, out.ids], dim=1)
     attention = torch.cat([mask, out.mask.long()], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=sequences, attention_mask=attention, position_ids=position_ids_from_mask(attention))
+        positions = position_ids_from_mask(attention)
+        logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions)
     P, T = ids.shape[1], out.ids.shape[1]
     scored = logits.logits[:, P - 1 : P + T - 1].float()  # (B, T, V)
     sampled = scored.clone()
@@ -114,7 +115,8 @@ def test_untruncated_logprobs_equal_the_teacher_forced_forward(tokenizer_dir, co
 @pytest.mark.parametrize("config", [gpt2_config(), llama_config()], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
 @pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9), (30, 0.8)], ids=["top_k", "top_p", "both"])
-def test_truncated_logprobs_equal_the_exact_truncated_distribution(tokenizer_dir, config, sampler, top_k, top_p):
+def test_truncated_logprobs_equal_the_exact_truncated_distribution(tokenizer_dir, config, sampler, top_k,
+                                                                   top_p):  # fmt: skip
     tok, model = _model(tokenizer_dir, config)
     ids, mask = _prompts(tok)
     temperature = 0.8
@@ -137,7 +139,8 @@ def test_greedy_has_no_behaviour_logprobs(tokenizer_dir):
     tok, model = _model(tokenizer_dir, llama_config())
     ids, mask = _prompts(tok)
     for sampler in ("inverse_cdf", "multinomial"):
-        out = _generate(model, tok, ids, mask, GenerationSettings(max_new_tokens=4, sampler=sampler), greedy=True)
+        settings = GenerationSettings(max_new_tokens=4, sampler=sampler)
+        out = _generate(model, tok, ids, mask, settings, greedy=True)
         assert isinstance(out, Responses) and out.logprobs is None and out.log_kept_mass is None
 
 
@@ -151,7 +154,8 @@ def test_logprobs_are_zero_on_padding_after_a_stop_token(tokenizer_dir):
         probe = _generate(model, tok, ids, mask, settings)
         settings = replace(settings, stop_token_ids=probe.ids[probe.mask].bincount().topk(2).indices.tolist())
         out = _generate(model, tok, ids, mask, settings)
-        assert (out.mask.sum(dim=1) < out.ids.shape[1]).any() and (out.ids[~out.mask] == tok.pad_token_id).all()
+        assert (out.mask.sum(dim=1) < out.ids.shape[1]).any(), "some rows stop early"
+        assert (out.ids[~out.mask] == tok.pad_token_id).all()
         _check_masked(out)
         assert (out.logprobs[out.mask] < 0).all()
 
@@ -267,7 +271,9 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     torch.testing.assert_close(kept_mass, torch.tensor([[expected_mass]]))
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.4, 12, 0.6), (0.5, 40, 0.99)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.4, 12, 0.6), (0.5, 40, 0.99)]
+)
 def test_truncated_logprobs_match_hugging_face_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50) * 2

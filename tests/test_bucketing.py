@@ -132,8 +132,8 @@ def test_bucketing_settings_are_checked_and_skip_batches_that_gain_nothing():
         Bucketing(token_budget=0)
     with pytest.raises(ValueError, match="min_saving"):
         Bucketing(min_saving=1.0)
-    with pytest.raises(TypeError, match="PPOModule: bucketing: unknown Bucketing field"):
-        Bucketing.coerce({"budget": 3}, "PPOModule: bucketing")
+    with pytest.raises(TypeError, match="PPOModule: scoring.bucketing: unknown Bucketing field"):
+        Bucketing.coerce({"budget": 3}, "PPOModule: scoring.bucketing")
     assert Bucketing.coerce(False) == Bucketing(enabled=False)
     assert Bucketing.coerce({"token_budget": None}).token_budget is None
     equal = torch.full((8,), 10)
@@ -253,10 +253,11 @@ def assert_same_update(tmp_path, build):
 STOPS = list(range(5, 110))  # a third of the vocabulary: responses stop at varied lengths
 
 
-def _online_kwargs():
+def _online_kwargs(**update):
+    """One optimiser step without gradient clip or ratio skip (``update`` adds keys of that group)."""
     return dict(
-        max_rollouts=1, ppo_epochs=1, num_minibatches=1, max_grad_norm=None, ratio_threshold=None,
-        actor_optimizer=sgd, log_samples_every=0,
+        max_rollouts=1, actor_optimizer=sgd, samples={"every": 0},
+        update={"epochs": 1, "num_minibatches": 1, "max_grad_norm": None, "ratio_threshold": None, **update},
     )  # fmt: skip
 
 
@@ -271,11 +272,11 @@ def test_ppo_update_is_the_same_with_bucketing(tokenizer_dir, tmp_path, config):
 
     def build(bucketing):
         return tiny_ppo(
-            tokenizer_dir, config, cls=Recording, bucketing=bucketing, critic_optimizer=sgd, ent_coef=0.01,
+            tokenizer_dir, config, cls=Recording, scoring={"bucketing": bucketing}, critic_optimizer=sgd,
             # multinomial: the inverse-CDF rollout of this seed has a near-constant return, whose explained
             # variance (a ratio of small variances) differs by 3.6e-7 between the bucketed and padded runs
             generation={"max_new_tokens": 10, "stop_token_ids": STOPS, "sampler": "multinomial"},
-            **_online_kwargs(),
+            **_online_kwargs(ent_coef=0.01),
         )  # fmt: skip
 
     assert_same_update(tmp_path, build)
@@ -292,9 +293,9 @@ def test_grpo_update_is_the_same_with_bucketing(tokenizer_dir, tmp_path):
     def build(bucketing):
         return Recording(
             actor=spec(tokenizer_dir, llama_config()), reward_fn="ppo_rewards:the_count", rng_seed=0,
-            bucketing=bucketing, forward_batch_size=8, kl_loss_coef=0.1, ent_coef=0.01,
+            scoring={"bucketing": bucketing, "forward_batch_size": 8}, kl={"loss_coef": 0.1},
             generation={"max_new_tokens": 10, "num_samples": 4, "stop_token_ids": STOPS},
-            **_online_kwargs(),
+            **_online_kwargs(ent_coef=0.01),
         )  # fmt: skip
 
     assert_same_update(tmp_path, build)
@@ -394,8 +395,13 @@ def test_bucketing_is_an_argument_of_every_module(tokenizer_dir):
         SFTModule(spec(tokenizer_dir, gpt2_config()), bucketing="yes")
     module = RewardModelModule(spec(tokenizer_dir, gpt2_config()), bucketing={"token_budget": 512})
     assert module.hparams.bucketing == {"enabled": True, "token_budget": 512, "min_saving": 0.1, "split_cost": "auto"}
-    ppo = tiny_ppo(tokenizer_dir, gpt2_config(), bucketing={"min_saving": 0.5}, critic_optimizer=adamw(1e-3))
-    assert ppo.bucketing == Bucketing(min_saving=0.5) and ppo.hparams.bucketing["min_saving"] == 0.5
+    ppo = tiny_ppo(tokenizer_dir, gpt2_config(), scoring={"bucketing": {"min_saving": 0.5}}, critic_optimizer=adamw(1e-3))
+    assert ppo.scoring.bucketing == Bucketing(min_saving=0.5) and ppo.hparams.scoring["bucketing"]["min_saving"] == 0.5
+    assert ppo.scoring.forward_batch_size == 4, "the helper's other scoring defaults are kept"
+    with pytest.raises(TypeError, match="PPOModule: scoring.bucketing: unknown Bucketing field"):
+        tiny_ppo(tokenizer_dir, gpt2_config(), scoring={"bucketing": {"budget": 3}})
+    with pytest.raises(TypeError, match="PPOModule: scoring.bucketing: expected Bucketing"):
+        tiny_ppo(tokenizer_dir, gpt2_config(), scoring={"bucketing": "yes"})
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,9 @@ def test_cli_model_choices_hide_internal_bases():
     choices = get_all_subclass_paths(pl.LightningModule)  # what --model offers (shortest import paths)
     public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule")
     assert {f"lit_rlhf.{name}" for name in public} <= set(choices)
-    internal = ("SingleModelModule", "OnlineRLModule", "OnlineBookkeeping", "OnlineEvaluation")
+    internal = (
+        "SingleModelModule", "OnlineRLModule", "OnlineBookkeeping", "OnlineEvaluation", "OnlineUpdate", "RolloutScoring",
+    )  # fmt: skip
     assert not [c for c in choices if c.endswith(internal)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     help_text = subprocess.run([sys.executable, "-m", "lit_rlhf.cli", "fit", "--help"], env=env,

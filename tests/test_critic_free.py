@@ -20,19 +20,23 @@ ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
         (
             {"generation": {"num_samples": 1}},
             ValueError,
-            "advantage_estimator='grpo' needs generation.num_samples >= 2",
+            "advantage.estimator='grpo' needs generation.num_samples >= 2",
         ),
         (
-            {"advantage_estimator": "rloo", "generation": GenerationSettings()},
+            {"advantage": {"estimator": "rloo"}, "generation": GenerationSettings()},
             ValueError,
             "'rloo' needs generation.num_samples >= 2",
         ),
-        ({"advantage_estimator": "gae"}, ValueError, "needs a critic; use lit_rlhf.modules.PPOModule"),
-        ({"advantage_estimator": "ppo"}, ValueError, "advantage_estimator must be one of"),
-        ({"loss_aggregation": "sum"}, ValueError, "loss_aggregation must be one of"),
-        ({"importance_sampling_level": "word"}, ValueError, "importance_sampling_level must be"),
-        ({"clip_coef_high": 0.0}, ValueError, "clip_coef_high must be > 0"),
-        ({"kl_loss_coef": -1.0}, ValueError, "kl_loss_coef must be >= 0"),
+        (
+            {"advantage": {"estimator": "gae"}},
+            ValueError,
+            "CriticFreeModule: advantage.estimator='gae' needs a critic; use lit_rlhf.modules.PPOModule",
+        ),
+        ({"advantage": {"estimator": "ppo"}}, ValueError, "CriticFreeModule: advantage.estimator must be one of"),
+        ({"update": {"loss_aggregation": "sum"}}, ValueError, "update.loss_aggregation must be one of"),
+        ({"update": {"importance_sampling_level": "word"}}, ValueError, "update.importance_sampling_level must be"),
+        ({"update": {"clip_coef_high": 0.0}}, ValueError, "update.clip_coef_high must be > 0"),
+        ({"kl": {"loss_coef": -1.0}}, ValueError, "kl.loss_coef must be >= 0"),
         ({"reward_fn": None}, ValueError, "exactly one of reward_model"),
         ({"generation": {"max_new_token": 8}}, TypeError, "generation: unknown GenerationSettings field"),
         ({"generation": {"temperature": 0.0, "num_samples": 2}}, ValueError, "generation.temperature"),
@@ -47,7 +51,7 @@ def test_invalid_arguments_fail_at_construction(tokenizer_dir, overrides, error,
 
 def test_reinforce_pp_accepts_one_sample_and_no_critic_exists(tokenizer_dir):
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), advantage_estimator="reinforce_pp", generation={"num_samples": 1}
+        tokenizer_dir, gpt2_config(), advantage={"estimator": "reinforce_pp"}, generation={"num_samples": 1}
     )
     assert module.num_samples == 1
     assert not hasattr(module, "critic") and not hasattr(module, "value_head")
@@ -79,7 +83,7 @@ def test_each_estimator_raises_the_rule_reward(tokenizer_dir, tmp_path, estimato
     generation = {"max_new_tokens": 8, "num_samples": 4, "sampler": "multinomial"}
     torch.manual_seed(0)
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), advantage_estimator=estimator, max_rollouts=20, generation=generation
+        tokenizer_dir, gpt2_config(), advantage={"estimator": estimator}, max_rollouts=20, generation=generation
     )
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
     rows = read_metrics(tmp_path)
@@ -108,8 +112,8 @@ def test_grpo_with_kl_in_the_loss_clip_higher_and_sequence_means(tokenizer_dir, 
     # with DAPO's clip-higher.
     torch.manual_seed(0)
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), kl_coef=0.0, kl_loss_coef=0.05, loss_aggregation="seq_mean_token_mean",
-        clip_coef_high=0.28, max_rollouts=20,
+        tokenizer_dir, gpt2_config(), kl={"coef": 0.0, "loss_coef": 0.05},
+        update={"loss_aggregation": "seq_mean_token_mean", "clip_coef_high": 0.28}, max_rollouts=20,
     )  # fmt: skip
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
     rows = read_metrics(tmp_path)
@@ -123,8 +127,9 @@ def test_grpo_with_kl_in_the_loss_clip_higher_and_sequence_means(tokenizer_dir, 
 def test_dr_grpo_with_sequence_ratio_learns(tokenizer_dir, tmp_path):
     torch.manual_seed(0)
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), advantage_estimator="dr_grpo", loss_aggregation="seq_mean_token_sum_norm",
-        importance_sampling_level="sequence", max_rollouts=20,
+        tokenizer_dir, gpt2_config(), advantage={"estimator": "dr_grpo"},
+        update={"loss_aggregation": "seq_mean_token_sum_norm", "importance_sampling_level": "sequence"},
+        max_rollouts=20,
     )  # fmt: skip
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
     first, last = _score_rise(read_metrics(tmp_path))
@@ -139,7 +144,7 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
     def run(root, callbacks=(), ckpt_path=None):
         torch.manual_seed(0)
         module = tiny_critic_free(
-            tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0, kl_loss_coef=0.01
+            tokenizer_dir, gpt2_config(), max_rollouts=4, kl={"target": 1.0, "loss_coef": 0.01}
         )
         data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
         trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(
@@ -181,15 +186,16 @@ def test_hparams_are_plain_values(tokenizer_dir, tmp_path, kind):
     ("overrides", "expected"),
     [
         ({}, True),
-        ({"ppo_epochs": 2}, False),
-        ({"num_minibatches": 2}, False),
-        ({"kl_coef": 0.05}, False),
-        ({"old_logprobs_from_update": False}, False),
+        ({"update": {"epochs": 2}}, False),
+        ({"update": {"num_minibatches": 2}}, False),
+        ({"kl": {"coef": 0.05}}, False),
+        ({"update": {"old_logprobs_from_update": False}}, False),
     ],
 )
 def test_on_policy_update_only_with_one_step_and_no_kl_in_the_reward(tokenizer_dir, overrides, expected):
-    settings = dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.0, kl_loss_coef=0.05)
-    module = tiny_critic_free(tokenizer_dir, gpt2_config(), **{**settings, **overrides})
+    update = {"epochs": 1, "num_minibatches": 1, **overrides.get("update", {})}
+    kl = {"coef": 0.0, "loss_coef": 0.05, **overrides.get("kl", {})}
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), update=update, kl=kl)
     assert module.on_policy_update is expected
 
 
@@ -199,8 +205,8 @@ def test_old_logprobs_from_the_update_equal_the_scoring_forward(tokenizer_dir, t
     def run(root, from_update):
         torch.manual_seed(0)
         module = tiny_critic_free(
-            tokenizer_dir, gpt2_config(), ppo_epochs=1, num_minibatches=1, kl_coef=0.0, kl_loss_coef=0.05,
-            forward_batch_size=4, max_rollouts=3, old_logprobs_from_update=from_update,
+            tokenizer_dir, gpt2_config(), kl={"coef": 0.0, "loss_coef": 0.05}, scoring={"forward_batch_size": 4},
+            update={"epochs": 1, "num_minibatches": 1, "old_logprobs_from_update": from_update}, max_rollouts=3,
         )  # fmt: skip
         calls = []
         module.actor.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))

@@ -16,7 +16,7 @@ from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
 
 from lit_rlhf.data.contract import BatchContractError
 from lit_rlhf.modules import CriticFreeModule, PPOModule
-from lit_rlhf.modules.online_eval import evaluation_settings
+from lit_rlhf.modules.online_settings import EvaluationSettings
 from lit_rlhf.rollout import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def fit_with_val(module, tmp_path, tokenizer_dir, every: int | None = 2):
 def test_validation_every_n_rollouts_logs_val_metrics_and_samples_at_the_rollout_step(kind, tokenizer_dir, tmp_path):
     build = tiny_ppo if kind == "ppo" else tiny_critic_free
     extra = {"monitor_reward_fn": "ppo_rewards:the_count"} if kind == "grpo" else {}
-    module = build(tokenizer_dir, gpt2_config(), max_rollouts=4, num_log_samples=2, **extra)
+    module = build(tokenizer_dir, gpt2_config(), max_rollouts=4, samples={"rows": 2}, **extra)
     run = fit_with_val(module, tmp_path, tokenizer_dir)
     rows = rows_of(run)
     rollout_steps = [int(r["step"]) for r in rows if "rollout/score" in r]
@@ -78,22 +78,27 @@ def test_evaluation_leaves_training_unchanged_and_is_repeatable(tokenizer_dir, t
     assert first == second and set(first[0]) == {f"val/{k}" for k in EVAL_KEYS}
 
 
-def test_greedy_evaluation_and_eval_generation_overrides(tokenizer_dir, tmp_path):
-    module = tiny_critic_free(tokenizer_dir, gpt2_config(), eval_generation={"max_new_tokens": 4},
-                              eval_greedy=True, rng_seed=1)  # fmt: skip
+def test_greedy_evaluation_and_evaluation_generation_overrides(tokenizer_dir, tmp_path):
+    evaluation = {"generation": {"max_new_tokens": 4}, "greedy": True}
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), evaluation=evaluation, rng_seed=1)
     assert module.eval_generation == GenerationSettings(max_new_tokens=4, num_samples=1)
     run = trainer(tmp_path)
     (greedy,) = run.validate(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
-    other_seed = tiny_critic_free(tokenizer_dir, gpt2_config(), eval_generation={"max_new_tokens": 4},
-                                  eval_greedy=True, rng_seed=2)  # fmt: skip
+    other_seed = tiny_critic_free(tokenizer_dir, gpt2_config(), evaluation=evaluation, rng_seed=2)
     other_seed.load_state_dict(module.state_dict(), strict=False)
     (again,) = run.validate(other_seed, prompt_loader(tokenizer_dir, n=8, batch_size=4))
     assert greedy == again  # argmax decoding does not depend on the evaluation seed
     assert greedy["val/response_length"] <= 4
-    with pytest.raises(TypeError, match=r"eval_generation: unknown GenerationSettings field\(s\) \['beams'\]"):
-        evaluation_settings(GenerationSettings(), {"beams": 2})
+    with pytest.raises(TypeError, match=r"evaluation.generation: unknown GenerationSettings field\(s\) \['beams'\]"):
+        EvaluationSettings(generation={"beams": 2}).resolve(GenerationSettings())
     with pytest.raises(ValueError, match="generation.max_new_tokens must be >= 1"):
-        evaluation_settings(GenerationSettings(), {"max_new_tokens": 0})
+        EvaluationSettings(generation={"max_new_tokens": 0}).resolve(GenerationSettings())
+    # the module refuses them at construction, naming itself and the group
+    with pytest.raises(TypeError, match=r"CriticFreeModule: evaluation.generation: unknown GenerationSettings"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), evaluation={"generation": {"beams": 2}})
+    # the resolved settings start from the training generation, with one sample per prompt
+    resolved = EvaluationSettings(generation={"max_new_tokens": 4}).resolve(GenerationSettings(num_samples=4))
+    assert resolved == GenerationSettings(max_new_tokens=4, num_samples=1)
 
 
 class RecordingPPO(PPOModule):
@@ -193,7 +198,7 @@ def test_resume_from_a_checkpoint_written_at_a_validation_is_exact(tokenizer_dir
 
     def run(root, ckpt_path=None):
         torch.manual_seed(0)
-        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl={"target": 1.0})
         saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, filename="{step}")
         fit = trainer(root, check_val_every_n_epoch=None, val_check_interval=2, enable_checkpointing=True,
                       callbacks=[saver], default_root_dir=str(root))  # fmt: skip

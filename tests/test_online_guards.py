@@ -39,7 +39,7 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
 def test_nonfinite_score_raises_naming_rollout_source_prompt_and_response(kind, tokenizer_dir, tmp_path):
     module = build(kind, tokenizer_dir, reward_fn=NAN_FN, max_rollouts=3)
-    assert module.hparams.on_nonfinite == "raise", "the default stops the fit"
+    assert module.hparams.scoring["on_nonfinite"] == "raise", "the default stops the fit"
     with pytest.raises(NonFiniteError) as err:
         trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir))
     message = str(err.value)
@@ -52,7 +52,7 @@ def test_nonfinite_score_raises_naming_rollout_source_prompt_and_response(kind, 
 
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
 def test_nonfinite_score_dropped_counted_and_weights_stay_finite(kind, tokenizer_dir, tmp_path):
-    module = build(kind, tokenizer_dir, reward_fn=NAN_FN, max_rollouts=3, on_nonfinite="drop")
+    module = build(kind, tokenizer_dir, reward_fn=NAN_FN, max_rollouts=3, scoring={"on_nonfinite": "drop"})
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir))
     assert module.rollouts_done == 3
     check_finite_weights(module.actor, "actor")
@@ -107,7 +107,7 @@ def test_nonfinite_gradient_is_never_stepped_on_either_optimiser(tokenizer_dir, 
     original = module.on_train_batch_start
     module.on_train_batch_start = lambda *a: (seen.append([p.detach().clone() for p in params]), original(*a))[1]
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir))
-    steps = module.hparams.ppo_epochs * module.hparams.num_minibatches
+    steps = module.hparams.update["epochs"] * module.hparams.update["num_minibatches"]
     assert module.step_guard.skipped == steps
     assert all(torch.equal(a, b) for a, b in zip(seen[1], seen[2])), "actor and critic untouched in rollout 2"
     assert not all(torch.equal(a, b) for a, b in zip(seen[0], seen[1])), "rollout 1 trained"

@@ -86,7 +86,8 @@ def test_kl_penalty_objective_raises_the_reward_and_adapts_beta(tokenizer_dir, t
     # landscape for a robust rise in a few rollouts.)
     torch.manual_seed(0)
     module = tiny_ppo(
-        tokenizer_dir, gpt2_config(), policy_loss="kl_penalty", init_beta=0.1, beta_target=0.001, max_rollouts=20
+        tokenizer_dir, gpt2_config(), update={"policy_loss": "kl_penalty", "init_beta": 0.1, "beta_target": 0.001},
+        max_rollouts=20,
     )
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))
     rows = read_metrics(tmp_path)
@@ -157,7 +158,7 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
 
     def run(root, callbacks=(), ckpt_path=None):
         torch.manual_seed(0)
-        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl_target=1.0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, kl={"target": 1.0})
         trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(
             module, data(), ckpt_path=ckpt_path
         )
@@ -212,7 +213,7 @@ def test_cli_fit_writes_tensorboard_tags_and_hf_export(tokenizer_dir, prompt_fil
         "--model.init_args.actor=null",
         f'--model.init_args.actor={{"config": {{"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}}, "tokenizer": "{tokenizer_dir}"}}',
         "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
-        "--model.init_args.max_rollouts=3", "--model.init_args.log_samples_every=1",
+        "--model.init_args.max_rollouts=3", "--model.init_args.samples.every=1",
         "--model.init_args.generation.max_new_tokens=6",
         f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
         f"--data.init_args.val_path={prompt_file}", "--data.init_args.test_path=null",

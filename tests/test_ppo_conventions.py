@@ -13,7 +13,7 @@ from lit_rlhf.progress import RolloutProgressBar
 
 
 def test_ppo_csv_samples_share_the_rollout_step_and_the_bar_counts_rollouts(tokenizer_dir, tmp_path, capsys):
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), log_samples_every=2, num_log_samples=2, max_rollouts=4)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), samples={"every": 2, "rows": 2}, max_rollouts=4)
     bar = RolloutProgressBar(tty=False, log_every_s=0)
     run = trainer(tmp_path, enable_progress_bar=True, callbacks=[bar])
     run.fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
@@ -23,7 +23,7 @@ def test_ppo_csv_samples_share_the_rollout_step_and_the_bar_counts_rollouts(toke
         score_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("rollout/score")]
     samples = [json.loads(line) for line in (log_dir / "samples.jsonl").read_text().splitlines()]
     assert score_steps == [0, 1, 2, 3]  # one row of scalars per rollout, at the rollout index
-    assert [s["step"] for s in samples] == [0, 0, 2, 2]  # rollouts 1 and 3 (log_samples_every=2)
+    assert [s["step"] for s in samples] == [0, 0, 2, 2]  # rollouts 1 and 3 (samples.every=2)
     assert {s["tag"] for s in samples} == {"rollout/samples"} and set(samples[0]) >= {"prompt", "response", "score"}
 
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ")]

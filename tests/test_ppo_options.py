@@ -15,18 +15,21 @@ from lit_rlhf.rewards import RewardSource, import_reward_fn
     ("overrides", "message"),
     [
         ({"reward_fn": None}, "exactly one of reward_model"),
-        ({"ppo_epochs": 0}, "ppo_epochs must be > 0"),
-        ({"gamma": 1.5}, r"gamma must be in \[0, 1\]"),
-        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"update": {"epochs": 0}}, "PPOModule: update.epochs must be > 0"),
+        ({"advantage": {"gamma": 1.5}}, r"PPOModule: advantage.gamma must be in \[0, 1\]"),
+        ({"kl": {"coef": -0.1}}, "PPOModule: kl.coef must be >= 0"),
         (
             {"share_critic_backbone": True, "critic": ModelSpec(config=gpt2_config(), tokenizer="x")},
             "share_critic_backbone",
         ),
         ({"max_rollouts": 0}, "max_rollouts must be >= 1"),
-        ({"clip_coef": float("nan")}, "PPOModule: clip_coef must be a finite number, got nan"),
-        ({"vf_coef": float("inf")}, "PPOModule: vf_coef must be a finite number"),
-        ({"clip_coef_value": 0.0}, "PPOModule: clip_coef_value must be > 0"),
-        ({"on_nonfinite": "ignore"}, "on_nonfinite must be 'raise' or 'drop'"),
+        ({"update": {"clip_coef": float("nan")}}, "PPOModule: update.clip_coef must be a finite number, got nan"),
+        ({"update": {"vf_coef": float("inf")}}, "PPOModule: update.vf_coef must be a finite number"),
+        ({"update": {"clip_coef_value": 0.0}}, "PPOModule: update.clip_coef_value must be > 0"),
+        (
+            {"scoring": {"on_nonfinite": "ignore"}},
+            r"PPOModule: scoring.on_nonfinite must be one of \['raise', 'drop'\], got 'ignore'",
+        ),
     ],
 )
 def test_invalid_arguments_fail_early_with_a_named_argument(tokenizer_dir, overrides, message):
@@ -43,12 +46,13 @@ def test_reward_fn_path_errors_name_the_path():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"clip_coef": float("nan")}, {"kl_coef": float("inf")}, {"on_nonfinite": "skip"}],
+    [{"update": {"clip_coef": float("nan")}}, {"kl": {"coef": float("inf")}}, {"scoring": {"on_nonfinite": "skip"}}],
 )
 def test_critic_free_refuses_nonfinite_floats_and_unknown_policies(tokenizer_dir, overrides):
     from ppo_helpers import tiny_critic_free
 
-    name = next(iter(overrides))
+    ((group, values),) = overrides.items()
+    name = f"{group}.{next(iter(values))}"
     with pytest.raises(ValueError, match=f"CriticFreeModule: {name} must"):
         tiny_critic_free(tokenizer_dir, gpt2_config(), **overrides)
 
@@ -66,7 +70,7 @@ def test_reward_source_names_the_function_and_the_bad_value(tokenizer_dir, fn, m
 
 
 def test_missing_eos_penalty_then_score_clip(tokenizer_dir):
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), missing_eos_penalty=1.0, score_clip=2.0)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), scoring={"missing_eos_penalty": 1.0, "score_clip": 2.0})
     scores = torch.tensor([3.0, 0.5, -1.5, 0.5])
     truncated = torch.tensor([False, True, True, False])
     # [3, 0.5-1, -1.5-1, 0.5] = [3, -0.5, -2.5, 0.5] -> clipped to [-2, 2]: [2, -0.5, -2, 0.5]
@@ -75,7 +79,7 @@ def test_missing_eos_penalty_then_score_clip(tokenizer_dir):
 
 def test_ratio_threshold_skips_every_minibatch_without_changing_weights(tokenizer_dir, tmp_path):
     # A threshold below 1 rejects even the first minibatch (ratio = 1): no optimiser step happens.
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), ratio_threshold=0.5, max_rollouts=1)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), update={"ratio_threshold": 0.5}, max_rollouts=1)
     before = [p.detach().clone() for p in module.actor.parameters()]
     t = trainer(tmp_path)
     t.fit(module, prompt_loader(tokenizer_dir))

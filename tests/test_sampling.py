@@ -183,7 +183,7 @@ def test_multinomial_reproduces_hugging_face_sampling(tokenizer_dir):
     settings = GenerationSettings(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.9, sampler="multinomial")
     kwargs = generation_kwargs(ids, mask, settings, [tok.eos_token_id], tok.pad_token_id)
     # generate's own warpers are off: the last processor applies them (and records the log-probs)
-    assert kwargs["do_sample"] and (kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]) == (None, None, None)
+    assert kwargs["do_sample"] and kwargs["temperature"] is kwargs["top_k"] is kwargs["top_p"] is None
     assert [type(p) for p in kwargs["logits_processor"]] == [MultinomialRecorder]
     torch.manual_seed(3)
     ours = generate_responses(model, ids, mask, settings, eos_token_id=tok.eos_token_id,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import gpt2_config, llama_config
-from ppo_helpers import prompt_loader, tiny_critic_free, trainer
+from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
 from test_ppo import read_metrics
 
 from lit_rlhf.models import (
@@ -218,8 +218,10 @@ def test_module_arguments_are_validated(tokenizer_dir):
     from lit_rlhf.modules import DPOModule, RewardModelModule
 
     spec = {"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0}
-    with pytest.raises(ValueError, match="CriticFreeModule: shared_prefix must be one of"):
-        tiny_critic_free(tokenizer_dir, gpt2_config(), shared_prefix="always")
+    with pytest.raises(ValueError, match="CriticFreeModule: scoring.shared_prefix must be one of"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), scoring={"shared_prefix": "always"})
+    with pytest.raises(ValueError, match="PPOModule: scoring.shared_prefix='on' needs forwards with a shared-prompt"):
+        tiny_ppo(tokenizer_dir, gpt2_config(), scoring={"shared_prefix": "on"})
     with pytest.raises(ValueError, match="DPOModule: shared_prefix must be one of"):
         DPOModule(spec, shared_prefix="yes")
     with pytest.raises(ValueError, match="RewardModelModule: shared_prefix must be one of"):
@@ -233,8 +235,8 @@ def test_grpo_fit_with_the_layout_on_trains_like_off(tokenizer_dir, tmp_path):
     for mode in ("off", "on"):
         torch.manual_seed(0)
         module = tiny_critic_free(
-            tokenizer_dir, llama_config(), shared_prefix=mode, max_rollouts=3, num_minibatches=1, ppo_epochs=2,
-            kl_loss_coef=0.01, ent_coef=0.01,
+            tokenizer_dir, llama_config(), scoring={"shared_prefix": mode}, max_rollouts=3,
+            update={"num_minibatches": 1, "epochs": 2, "ent_coef": 0.01}, kl={"loss_coef": 0.01},
         )  # fmt: skip
         trainer(tmp_path / mode).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
         metrics[mode] = read_metrics(tmp_path / mode)

@@ -107,6 +107,11 @@ def plot_rm_accuracy(scalars_by_run: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def kl_target(init_args: dict) -> float | None:
+    """The adaptive KL target (``kl.target``) of an online config's ``model.init_args``; None = fixed."""
+    return (init_args.get("kl") or {}).get("target")
+
+
 def _label(name: str) -> str:
     return name.upper().replace("_", " ")
 
@@ -175,7 +180,7 @@ def write_report(
         plots[name] = out / f"{name}_reward_vs_kl.png"
         title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
         budget = KL_BUDGET if name == "ppo" else None
-        plot_reward_vs_kl(curves[name], plots[name], title, init.get("kl_target"), budget)
+        plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget)
     plots["rm_accuracy"] = out / "rm_accuracy.png"
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
     first_runs = [records[0].run for records in algorithm_runs.values()]
@@ -218,7 +223,7 @@ def write_report(
         ppo, ppo_init = results["ppo"]["summary"], runs["ppo"].config["model"]["init_args"]
         summary.update({f"ppo_{k}": v for k, v in ppo.items()})
         summary["gold_lift_sft_std"] = algorithms["ppo"]["seeds"][0]["gold_lift_sft_std"]
-        summary["ppo_kl_target"] = ppo_init.get("kl_target")
+        summary["ppo_kl_target"] = kl_target(ppo_init)
         summary["ppo_kl_budget"] = KL_BUDGET
         summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
         summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]

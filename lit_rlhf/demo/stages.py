@@ -32,14 +32,14 @@ _TINY_MODEL = {"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer":
 _TINY_TRAINER = {"max_steps": 4, "val_check_interval": 2, "log_every_n_steps": 1, "enable_model_summary": False}
 _TINY_PPO = {
     "trainer": {"enable_model_summary": False},
-    "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
+    "model": {"init_args": {"max_rollouts": 2, "scoring": {"forward_batch_size": 8}, "update": {"epochs": 1}}},
     "data": {"init_args": {"batch_size": 8}},
 }
 # The critic-free miniatures sample as many responses as _TINY_PPO (2 rollouts x 8 prompts x 1): K = 4
 # responses to 2 prompts, or one response to each of 8.
 _TINY_GROUP = {
     "trainer": {"enable_model_summary": False},
-    "model": {"init_args": {"max_rollouts": 2, "forward_batch_size": 8, "ppo_epochs": 1}},
+    "model": {"init_args": {"max_rollouts": 2, "scoring": {"forward_batch_size": 8}, "update": {"epochs": 1}}},
     "data": {"init_args": {"batch_size": 2}},
 }
 # --small: a miniature of every stage (tests), merged into the configs. An algorithm without an entry

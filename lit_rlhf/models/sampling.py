@@ -189,10 +189,11 @@ class MultinomialRecorder(BehaviourRecorder):
     ``generate`` applies its warpers after every user processor, so a recorder after them must be these
     warpers: with ``temperature``, ``top_k`` and ``top_p`` of ``generate`` left off, the scores sampled
     are exactly the ones ``generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` samples
-    (same classes, order and arguments), hence the same tokens under a seed. Per step: ``logsumexp`` of
-    the warped scores (the normaliser of the token's log-prob) and, with a truncation, of the tempered
-    ones (:func:`log_normaliser`); the warped scores of the last step are kept until the next call, which reads the token drawn
-    from them in ``input_ids[:, -1]`` (:meth:`behaviour` takes the last step's token from the output).
+    (same classes, order and arguments), hence the same tokens under a seed. Per step: the normaliser
+    (:func:`log_normaliser`) of the warped scores, for the token's log-prob, and with a truncation that of
+    the tempered ones. The warped scores of the last step are kept until the next call, which reads the
+    token drawn from them in ``input_ids[:, -1]`` (:meth:`behaviour` takes the last step's token from the
+    output), so an instance serves one ``generate`` call at a time.
 
     Args:
         temperature: softmax temperature (> 0; 1.0 = off).

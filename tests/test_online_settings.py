@@ -1,0 +1,167 @@
+"""The online modules' settings groups: self-checking dataclasses, plain dicts, one registry of names, the
+earlier flat arguments named with their new place (Python, CLI, checkpoints)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+from conftest import gpt2_config
+from ppo_helpers import prompt_loader, tiny_critic_free, trainer
+
+from lit_rlhf import functional as F
+from lit_rlhf.cli import moved_keys_message
+from lit_rlhf.modules import CriticFreeModule, OnlineRLModule, PPOModule
+from lit_rlhf.modules import online_settings as S
+from lit_rlhf.rollout import GenerationSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "cls, values, message",
+    [
+        (S.UpdateSettings, {"epochs": 0}, "update.epochs must be > 0, got 0"),
+        (S.UpdateSettings, {"clip_coef": float("nan")}, "update.clip_coef must be a finite number"),
+        (S.UpdateSettings, {"clip_coef_high": -0.1}, "update.clip_coef_high must be > 0 or None"),
+        (S.UpdateSettings, {"loss_aggregation": "sum"}, "update.loss_aggregation must be one of"),
+        (S.PPOUpdate, {"policy_loss": "dpo"}, "update.policy_loss must be one of ['clip', 'kl_penalty']"),
+        (S.PPOUpdate, {"clip_coef_value": 0.0}, "update.clip_coef_value must be > 0"),
+        (S.PPOUpdate, {"policy_loss": "kl_penalty", "importance_sampling_level": "sequence"}, "'token' with policy_loss"),
+        (S.KLSettings, {"coef": -1.0}, "kl.coef must be >= 0, got -1.0"),
+        (S.KLSettings, {"coef": 0.0, "target": 3.0}, "kl.coef must be > 0 with an adaptive target"),
+        (S.KLSettings, {"estimator": "k4"}, "kl.estimator must be one of ['k1', 'abs', 'k2', 'k3']"),
+        (S.ScoringSettings, {"forward_batch_size": 0}, "scoring.forward_batch_size must be > 0"),
+        (S.ScoringSettings, {"on_nonfinite": "ignore"}, "scoring.on_nonfinite must be one of"),
+        (S.ScoringSettings, {"bucketing": {"min_saving": 1.5}}, "bucketing.min_saving must be in [0, 1)"),
+        (S.GAESettings, {"gae_lambda": 1.5}, "advantage.gae_lambda must be in [0, 1]"),
+        (S.AdvantageSettings, {"estimator": "gae"}, "needs a critic; use lit_rlhf.modules.PPOModule"),
+        (S.AdvantageSettings, {"estimator": "ppo"}, "advantage.estimator must be one of"),
+        (S.SampleSettings, {"every": -1}, "samples.every must be >= 0"),
+        (S.EvaluationSettings, {"generation": {"beams": 2}}, "evaluation.generation: unknown GenerationSettings field"),
+        (S.EvaluationSettings, {"generation": {"max_new_tokens": 0}}, "generation.max_new_tokens must be >= 1"),
+    ],
+)
+def test_each_group_checks_itself_naming_the_key(cls, values, message):
+    with pytest.raises((ValueError, TypeError)) as err:
+        cls.coerce(values)
+    assert message in str(err.value)
+
+
+def test_groups_take_dicts_instances_and_none_and_name_renamed_fields():
+    assert S.UpdateSettings.coerce(None) == S.UpdateSettings()
+    assert S.UpdateSettings.coerce({"epochs": 2}).epochs == 2
+    given = S.KLSettings(coef=0.1)
+    assert S.KLSettings.coerce(given) is given
+    with pytest.raises(TypeError, match=r"unknown UpdateSettings field\(s\) \['ppo_epochs'\] \('ppo_epochs' is now 'epochs'\)"):
+        S.UpdateSettings.coerce({"ppo_epochs": 2})
+    with pytest.raises(TypeError, match="expected KLSettings, a dict of its fields or None, got float"):
+        S.KLSettings.coerce(0.1)
+    scoring = S.ScoringSettings(bucketing={"enabled": False})
+    assert scoring.as_dict()["bucketing"]["enabled"] is False  # nested groups as plain dicts
+    evaluation = S.EvaluationSettings(generation={"max_new_tokens": 4}, greedy=True)
+    resolved = evaluation.resolve(GenerationSettings(max_new_tokens=16, num_samples=4, temperature=0.7))
+    assert (resolved.max_new_tokens, resolved.num_samples, resolved.temperature) == (4, 1, 0.7)
+
+
+def test_a_module_prefixes_the_groups_messages(tokenizer_dir):
+    with pytest.raises(ValueError, match=r"^CriticFreeModule: update.clip_coef must be > 0, got -1.0$"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), update={"clip_coef": -1.0})
+    with pytest.raises(ValueError, match="needs generation.num_samples >= 2"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), generation={"num_samples": 1})
+    with pytest.raises(ValueError, match=r"PPOModule: scoring.shared_prefix='on' needs forwards with a shared-prompt"):
+        PPOModule(actor={"config": gpt2_config(), "tokenizer": tokenizer_dir}, reward_fn="ppo_rewards:the_count",
+                  scoring={"shared_prefix": "on"})  # fmt: skip
+
+
+def test_one_registry_is_the_source_of_every_name():
+    assert get_args(S.AdvantageEstimator) == F.SEQUENCE_ESTIMATORS == tuple(
+        k for k, v in F.ADVANTAGE_ESTIMATORS.items() if v.module == "CriticFreeModule"
+    )
+    assert F.GROUP_ESTIMATORS == tuple(k for k, v in F.ADVANTAGE_ESTIMATORS.items() if v.needs_group)
+    assert get_args(S.LossAggregation) == F.LOSS_AGGREGATIONS
+    assert get_args(S.KLEstimator) == F.KL_ESTIMATORS
+    hints = {f.name: f.type for f in S.PPOUpdate.__dataclass_fields__.values()}
+    assert "Literal['clip', 'kl_penalty']" in str(hints["policy_loss"]) and F.POLICY_LOSSES == ("clip", "kl_penalty")
+    readme = (ROOT / "README.md").read_text()
+    for name in F.ADVANTAGE_ESTIMATORS:
+        assert f"| `{name}` |" in readme, f"README's estimator table lacks {name}"
+
+
+def top_level_arguments(cls: type) -> set[str]:
+    """The constructor arguments a user sees (the CLI resolves ``**kwargs`` into the base's)."""
+    names = set()
+    for klass in (cls, OnlineRLModule):
+        names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}  # fmt: skip
+    return names
+
+
+def test_the_online_modules_take_about_twenty_top_level_arguments():
+    assert len(top_level_arguments(PPOModule)) <= 21, sorted(top_level_arguments(PPOModule))
+    assert len(top_level_arguments(CriticFreeModule)) <= 17
+    moved = set(S.MOVED["PPOModule"]) | set(S.MOVED["CriticFreeModule"])
+    assert not moved & (top_level_arguments(PPOModule) | top_level_arguments(CriticFreeModule))
+
+
+def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lit_rlhf.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_shows_the_groups_and_names_the_new_place_of_an_old_key(tmp_path):
+    out = run_cli("fit", "--model.help", "lit_rlhf.modules.PPOModule")
+    assert out.returncode == 0, out.stderr
+    for group in ("update", "kl", "scoring", "advantage", "samples", "evaluation", "generation"):
+        assert f"--model.{group}.help" in out.stdout, group
+    assert "Show the help for PPOUpdate" in out.stdout and out.stdout.count("\n  --model.actor ACTOR") == 1
+    out = run_cli("fit", "--config", "configs/ppo_tiny.yaml", "--model.init_args.ppo_epochs", "2", "--print_config")
+    assert out.returncode == 2
+    assert "'ppo_epochs' is now 'update.epochs'" in out.stderr.splitlines()[-1]
+    old = (ROOT / "configs/ppo_tiny.yaml").read_text().replace("update: {epochs: 4, num_minibatches: 2}", "ppo_epochs: 4")
+    old = old.replace("kl: {coef: 0.05, target: 4.0}", "kl_coef: 0.05\n    kl_target: 4.0")
+    (tmp_path / "old.yaml").write_text(old)
+    out = run_cli("fit", "--config", str(tmp_path / "old.yaml"), "--print_config")
+    assert out.returncode == 2
+    last = out.stderr.splitlines()[-1]
+    assert "'ppo_epochs' is now 'update.epochs'" in last and "'kl_target' is now 'kl.target'" in last, last
+
+
+def test_moved_keys_message_ignores_other_errors():
+    assert moved_keys_message("Parser key 'model': Option 'clip_coef' is not accepted") is not None
+    assert moved_keys_message("update.clip_coef must be > 0, got -1.0") is None
+
+
+def flat_hparams(hparams: dict, module: str) -> dict:
+    """The earlier flat layout of grouped hyper-parameters (the inverse of ``MOVED``)."""
+    out = {k: v for k, v in hparams.items() if k not in ("update", "kl", "scoring", "samples", "evaluation", "advantage")}
+    for old, new in S.MOVED[module].items():
+        group, name = new.split(".")
+        if group in hparams and name in (hparams[group] or {}):
+            out[old] = hparams[group][name]
+    out.pop("engine", None)
+    return out
+
+
+def test_a_checkpoint_of_the_flat_layout_loads_mapped(tokenizer_dir, tmp_path):
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=1, kl={"coef": 0.02},
+                              advantage={"estimator": "rloo"}, update={"epochs": 1, "clip_coef": 0.3})  # fmt: skip
+    fit = trainer(tmp_path, enable_checkpointing=True, default_root_dir=tmp_path)
+    fit.fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    path = tmp_path / "model.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["hyper_parameters"] = flat_hparams(dict(checkpoint["hyper_parameters"]), "CriticFreeModule")
+    assert "ppo_epochs" in checkpoint["hyper_parameters"] and "update" not in checkpoint["hyper_parameters"]
+    torch.save(checkpoint, path)
+    with pytest.warns(UserWarning, match="flat hyper-parameters were mapped into settings groups"):
+        loaded = CriticFreeModule.load_from_checkpoint(path)
+    assert (loaded.update, loaded.kl, loaded.advantage) == (module.update, module.kl, module.advantage)
+    assert loaded.scoring == module.scoring and loaded.samples == module.samples
+    assert all(torch.equal(a, b) for a, b in zip(loaded.actor.parameters(), module.actor.parameters()))
+    migrated = S.migrate_checkpoint_hparams("CriticFreeModule", checkpoint["hyper_parameters"])
+    assert migrated["update"]["epochs"] == 1 and migrated["advantage"] == {"estimator": "rloo", "gamma": 1.0}
