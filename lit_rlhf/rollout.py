@@ -1,9 +1,9 @@
-"""The experience of one online-RL rollout, the replay buffer over it, and the generation settings.
+"""The experience of one online-RL rollout (``Rollout``) and the generation settings of a rollout.
 
-Response generation lives in ``lit_rlhf.engines.hf_generate``; its functions are re-exported here.
+The replay buffer over it is ``lit_rlhf.replay``; response generation lives in ``lit_rlhf.engines``
+(``hf_generate``'s functions are re-exported here).
 
 Shapes: B rollout rows, P prompt length (left-padded), T response length (right-padded).
-Field names are those of the PPO batch in seeds/002.
 """
 
 from __future__ import annotations

@@ -94,3 +94,40 @@ def test_control_ppo_throughput_uses_the_fixed_tokens_and_the_median_rollout():
         tokens_per_rollout=512, peak_rss_mb=1.0,
     )  # fmt: skip
     assert report.throughput("control_ppo", run) == pytest.approx(512 / 3.0)
+
+
+def test_lit_args_update_nested_settings_groups_field_by_field():
+    import common
+
+    from lit_rlhf.rollout import GenerationSettings
+
+    kwargs = {
+        "scoring": {"forward_batch_size": 16, "bucketing": {"token_budget": 512}},
+        "generation": GenerationSettings(max_new_tokens=8),
+        "max_rollouts": 3,
+    }
+    overrides = {"scoring": {"bucketing": {"split_cost": None}}, "generation": {"temperature": 0.5}, "max_rollouts": 1}
+    out = common.with_overrides(kwargs, overrides)
+    assert out["scoring"] == {"forward_batch_size": 16, "bucketing": {"token_budget": 512, "split_cost": None}}
+    assert out["generation"] == GenerationSettings(max_new_tokens=8, temperature=0.5)
+    assert out["max_rollouts"] == 1
+    assert kwargs["scoring"]["bucketing"] == {"token_budget": 512}, "the defaults are not mutated"
+
+
+def test_ablation_overrides_are_arguments_of_the_modules_settings_groups():
+    # each ablation switches a technique off through the module's current arguments (a settings group or
+    # the actor's ModelSpec), so a moved key fails here rather than in a 20-minute benchmark run
+    import ablation
+
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.modules import CriticFreeModule, PPOModule
+
+    modules = {"grpo_bench.py": CriticFreeModule, "ppo_bench.py": PPOModule}
+    for name, ((script, _), overrides) in ablation.ABLATIONS.items():
+        cls = modules[script]
+        for key, value in overrides.items():
+            if key in cls.settings_groups:
+                cls.settings_groups[key].coerce(value, key)
+            else:
+                assert key == "actor", (name, key)
+                ModelSpec.coerce({"name_or_path": "x", **value}, key)

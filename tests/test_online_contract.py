@@ -201,21 +201,20 @@ def test_no_step_means_no_sync(tokenizer_dir, tmp_path):
     assert "sync_weights" not in engine.calls and engine.calls.count("generate") == 2
 
 
-def test_engines_from_names_dicts_and_class_paths():
+def test_engines_from_names_dicts_and_class_paths(tokenizer_dir):
     assert isinstance(build_engine(None), HFEngine) and isinstance(build_engine("hf"), HFEngine)
-    engine = build_engine({"class_path": "lit_rlhf.engines.HFEngine", "init_args": {"sampler": "multinomial"}})
-    assert engine.options.sampler == "multinomial" and build_engine({"sampler": "inverse_cdf"}).options.sampler == "inverse_cdf"
-    assert engine_hparams(engine) == {
-        "class_path": "lit_rlhf.engines.hf.HFEngine",
-        "init_args": {"group_prefill": "auto", "sampler": "multinomial", "transposed_head": True},
-    }
-    assert build_engine(engine_hparams(engine)).options == engine.options
+    assert isinstance(build_engine({"class_path": "lit_rlhf.engines.HFEngine"}), HFEngine)
+    path = f"{__name__}.ReplayEngine"
+    engine = build_engine({"class_path": path, "init_args": {"tokenizer_dir": tokenizer_dir, "texts": ["a"]}})
+    assert isinstance(engine, ReplayEngine)
+    assert engine_hparams(HFEngine()) == {"class_path": "lit_rlhf.engines.hf.HFEngine", "init_args": {}}
+    assert isinstance(build_engine(engine_hparams(HFEngine())), HFEngine)
     with pytest.raises(ValueError, match="engine: cannot import engine class 'nowhere.Engine'"):
         build_engine("nowhere.Engine")
     with pytest.raises(TypeError, match="is not a lit_rlhf.engines.RolloutEngine subclass"):
         build_engine("torch.nn.Linear")
-    with pytest.raises(ValueError, match=r"engine.sampler must be one of"):
-        build_engine({"sampler": "beam"})
+    with pytest.raises(TypeError, match=r"engine: unknown key\(s\) \['sampler'\]; expected class_path and init_args"):
+        build_engine({"sampler": "multinomial"})
 
 
 def test_an_engine_breaking_the_protocol_is_named(tokenizer_dir, tmp_path):
@@ -231,8 +230,8 @@ def test_an_engine_breaking_the_protocol_is_named(tokenizer_dir, tmp_path):
 
 
 def test_the_hf_engine_is_the_default_and_is_stored_as_plain_values(tokenizer_dir):
-    module = reinforce(tokenizer_dir, engine={"sampler": "multinomial"})
-    assert isinstance(module.engine, HFEngine) and module.engine.options.sampler == "multinomial"
-    assert module.hparams.engine == engine_hparams(module.engine)
+    module = reinforce(tokenizer_dir)
+    assert isinstance(module.engine, HFEngine)
+    assert module.hparams.engine == {"class_path": "lit_rlhf.engines.hf.HFEngine", "init_args": {}}
     rebuilt = Reinforce(**dict(module.hparams))
-    assert rebuilt.engine.options == module.engine.options and rebuilt.update == module.update
+    assert isinstance(rebuilt.engine, HFEngine) and rebuilt.update == module.update

@@ -107,7 +107,7 @@ def test_nonfinite_gradient_is_never_stepped_on_either_optimiser(tokenizer_dir, 
     original = module.on_train_batch_start
     module.on_train_batch_start = lambda *a: (seen.append([p.detach().clone() for p in params]), original(*a))[1]
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir))
-    steps = module.hparams.update["epochs"] * module.hparams.update["num_minibatches"]
+    steps = module.hparams["update"]["epochs"] * module.hparams["update"]["num_minibatches"]  # (.update is dict.update)
     assert module.step_guard.skipped == steps
     assert all(torch.equal(a, b) for a, b in zip(seen[1], seen[2])), "actor and critic untouched in rollout 2"
     assert not all(torch.equal(a, b) for a, b in zip(seen[0], seen[1])), "rollout 1 trained"

@@ -165,3 +165,15 @@ def test_a_checkpoint_of_the_flat_layout_loads_mapped(tokenizer_dir, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.actor.parameters(), module.actor.parameters()))
     migrated = S.migrate_checkpoint_hparams("CriticFreeModule", checkpoint["hyper_parameters"])
     assert migrated["update"]["epochs"] == 1 and migrated["advantage"] == {"estimator": "rloo", "gamma": 1.0}
+
+
+def test_the_package_cites_only_what_a_reader_can_open():
+    """No citation of the background notes or the design file: neither is in the repository."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in sorted((ROOT / "lit_rlhf").rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if "seeds/" in line or "DESIGN.md" in line
+    ]
+    assert not offenders, offenders
+    assert not (ROOT / "config.yaml").exists(), "a stray root config.yaml"

@@ -9,7 +9,7 @@ turns them into model text.
 Preference formats (``format="auto"`` picks the first that matches the columns, in this order):
 
 - ``sharegpt``: ``conversations`` (list of ``{from, value}``; from = human/user, gpt/assistant or
-  system) plus ``chosen``/``rejected`` single ``{from, value}`` turns from gpt/assistant (seeds/000).
+  system) plus ``chosen``/``rejected`` single ``{from, value}`` turns from gpt/assistant (the ShareGPT preference layout).
 - ``explicit``: ``prompt``, ``chosen``, ``rejected``; each a string or a chat.
 - ``implicit``: ``chosen``, ``rejected`` full texts sharing a prompt (Anthropic HH); see
   :func:`split_implicit_prompt`. Both may also be chats: the prompt is their common leading messages.

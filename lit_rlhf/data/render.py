@@ -71,7 +71,7 @@ def tokenize_rendered(
     Plain prompts get the tokenizer's own special tokens (e.g. Llama's BOS); templated ones do not, as the
     template wrote them. Responses get none but EOS, appended unless the text already ends with it;
     whitespace a template writes after a closing EOS (e.g. ``"<|im_end|>\n"``) is dropped, since a
-    response ends at its EOS (DESIGN.md) and a second EOS would be learnt otherwise.
+    response ends at its EOS (the project's convention) and a second EOS would be learnt otherwise.
     """
     prompts: list[list[int]] = [[] for _ in rows]
     for templated in (False, True):

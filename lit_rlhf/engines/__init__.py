@@ -12,12 +12,12 @@ import importlib
 from typing import Any
 
 from lit_rlhf.engines.base import Responses, RolloutEngine
-from lit_rlhf.engines.hf import HFEngine, HFOptions
+from lit_rlhf.engines.hf import HFEngine
 
 # short names an ``engine:`` argument may give instead of a class path
 ENGINES: dict[str, str] = {"hf": "lit_rlhf.engines.HFEngine"}
 
-__all__ = ["ENGINES", "HFEngine", "HFOptions", "Responses", "RolloutEngine", "build_engine", "engine_hparams"]
+__all__ = ["ENGINES", "HFEngine", "Responses", "RolloutEngine", "build_engine", "engine_hparams"]
 
 
 def _import_class(path: str, argument: str) -> type:
@@ -36,8 +36,7 @@ def build_engine(value: Any, argument: str = "engine") -> RolloutEngine:
 
     Args:
         value: a :class:`RolloutEngine`; None (the Hugging Face engine with its defaults); a name of
-            :data:`ENGINES` or a class path (``package.module.Class``); a dict ``{class_path, init_args}``,
-            or a dict of :class:`HFEngine` arguments.
+            :data:`ENGINES` or a class path (``package.module.Class``); a dict ``{class_path, init_args}``.
         argument: the constructor argument it came from (named in messages).
     """
     if isinstance(value, RolloutEngine):
@@ -47,13 +46,8 @@ def build_engine(value: Any, argument: str = "engine") -> RolloutEngine:
     if isinstance(value, str):
         return _import_class(ENGINES.get(value, value), argument)()
     if isinstance(value, dict):
-        if "class_path" not in value:
-            try:
-                return HFEngine(**value)
-            except TypeError as err:
-                raise TypeError(f"{argument}: {err} (a dict without class_path holds HFEngine arguments)") from err
         unknown = sorted(set(value) - {"class_path", "init_args"})
-        if unknown:
+        if unknown or "class_path" not in value:
             raise TypeError(f"{argument}: unknown key(s) {unknown}; expected class_path and init_args")
         cls = _import_class(ENGINES.get(value["class_path"], value["class_path"]), argument)
         return cls(**(value.get("init_args") or {}))

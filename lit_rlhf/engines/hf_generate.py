@@ -10,8 +10,7 @@ T response length (right-padded).
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList
@@ -31,9 +30,6 @@ if TYPE_CHECKING:  # lit_rlhf.rollout re-exports this module's functions
     from lit_rlhf.rollout import GenerationSettings
 
 __all__ = ["generate_responses", "generation_kwargs", "response_mask_from_tokens"]
-
-# fields of an engine's options (``lit_rlhf.engines.HFOptions``) that override those of GenerationSettings
-OPTION_FIELDS = ("group_prefill", "sampler", "transposed_head")
 
 
 def response_mask_from_tokens(
@@ -120,7 +116,6 @@ def generate_responses(
     synced_gpus: bool = False,
     greedy: bool = False,
     group_size: int = 1,
-    options: Any | None = None,
 ) -> Responses:
     """Sample one response per row of left-padded prompts (the caller repeats a prompt for K samples).
 
@@ -135,8 +130,6 @@ def generate_responses(
         group_size: K when the rows come in contiguous groups of K copies of one prompt (what
             ``expand_prompts`` of the online modules builds); the prefill is then shared per group where
             ``settings.shares_prefill`` says so.
-        options: how ``generate`` runs, an object with the ``OPTION_FIELDS`` (an engine's ``HFOptions``),
-            which then take precedence over those fields of ``settings``; None reads them from ``settings``.
 
     Returns:
         ``Responses`` (``lit_rlhf.engines.base``): ids (B, T) token ids, T <= max_new_tokens, padding after
@@ -151,8 +144,6 @@ def generate_responses(
     Raises:
         ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
     """
-    if options is not None:
-        settings = replace(settings, **{name: getattr(options, name) for name in OPTION_FIELDS})
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     kwargs = generation_kwargs(
         input_ids, attention_mask, settings, stop_ids, pad_token_id, tokenizer, synced_gpus, greedy,

@@ -1,4 +1,4 @@
-"""Building, loading, exporting and scoring Hugging Face models (see DESIGN.md, models/)."""
+"""Building, loading, exporting and scoring Hugging Face models."""
 
 from lit_rlhf.models.forwards import chunked, critic_values, policy_forward, reward_model_scores
 from lit_rlhf.models.lm_head import (

@@ -1,11 +1,11 @@
 """Building, exporting and freezing the Hugging Face models of RLHF.
 
-Four roles, two architectures (seeds/001): the actor and the reference are causal LMs
+Four roles, two architectures (as in InstructGPT, Ouyang et al. 2022, arXiv:2203.02155 sec. 3.5): the actor and the reference are causal LMs
 (``AutoModelForCausalLM``); the reward model and the critic are both
 ``AutoModelForSequenceClassification`` with one label. Loading a causal-LM folder (e.g. the SFT export)
 as a sequence classifier keeps the backbone and adds a fresh ``score`` head ("critic initialised from
 the policy"); loading a reward-model export gives the whole reward model ("critic initialised from the
-reward model", seeds/001).
+reward model", as InstructGPT initialises its value function).
 """
 
 from __future__ import annotations

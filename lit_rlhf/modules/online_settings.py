@@ -364,19 +364,12 @@ MOVED: dict[str, dict[str, str]] = {
         "old_logprobs_from_update": "update.old_logprobs_from_update",
     },
 }  # fmt: skip
-# fields that left GenerationSettings for the Hugging Face engine's own settings
-ENGINE_FIELDS = ("group_prefill", "sampler", "transposed_head")
-
-
 def moved_hint(key: str, module: str | None = None) -> str | None:
-    """Where an old flat argument (or ``generation.<engine field>``) went, as a sentence; None if unknown.
+    """Where an old flat argument went, as a sentence; None if unknown.
 
     ``module`` (a class name) names that module's place only; None names each module's.
     """
     name = key.rsplit(".", 1)[-1]
-    if key.endswith(tuple(f"generation.{f}" for f in ENGINE_FIELDS)):
-        return (f"generation.{name} is a setting of the Hugging Face engine now: "
-                f"engine: {{class_path: lit_rlhf.engines.HFEngine, init_args: {{{name}: ...}}}}")  # fmt: skip
     modules = [_module_name(module)] if module is not None and _module_name(module) in MOVED else list(MOVED)
     places = sorted({MOVED[m][name] for m in modules if name in MOVED[m]})
     if not places:
@@ -397,9 +390,8 @@ def _module_name(cls: type | str) -> str:
 def migrate_flat_kwargs(cls: type | str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` of the earlier flat layout of ``cls`` (a module class or its name) rewritten into groups.
 
-    Flat keys go into their group's dict (merged with a group already given as a dict); the engine
-    fields of ``generation`` move to the Hugging Face engine's ``init_args``. Keys of the new layout pass
-    through unchanged, so the result of a new-layout call is that call.
+    Flat keys go into their group's dict (merged with a group already given as a dict). Keys of the new
+    layout pass through unchanged, so the result of a new-layout call is that call.
     """
     moved = MOVED.get(_module_name(cls), {})
     out: dict[str, Any] = {}
@@ -414,13 +406,6 @@ def migrate_flat_kwargs(cls: type | str, kwargs: dict[str, Any]) -> dict[str, An
         given = out.get(group)
         given = given.as_dict() if isinstance(given, Settings) else dict(given or {})
         out[group] = {**given, **values}
-    generation = out.get("generation")
-    if isinstance(generation, dict) and any(k in generation for k in ENGINE_FIELDS):
-        generation = dict(generation)
-        engine_args = {k: generation.pop(k) for k in ENGINE_FIELDS if k in generation}
-        out["generation"] = generation
-        if out.get("engine") is None:
-            out["engine"] = {"class_path": "lit_rlhf.engines.HFEngine", "init_args": engine_args}
     return out
 
 

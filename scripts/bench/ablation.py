@@ -27,13 +27,13 @@ W1 = ("grpo_bench.py", ("--size", "full"))
 W3 = ("ppo_bench.py", ("--workload", "W3_ppo", "--size", "full", "--rollouts", "3"))
 # name -> (workload, the overrides that switch the technique off)
 ABLATIONS = {
-    "old log-probs from the update": (W1, {"old_logprobs_from_update": False}),
+    "old log-probs from the update": (W1, {"update": {"old_logprobs_from_update": False}}),
     "inverse-CDF sampler": (W1, {"generation": {"sampler": "multinomial"}}),
     "transposed LM head": (W1, {"generation": {"transposed_head": False}}),
     "group prefill": (W1, {"generation": {"group_prefill": "never"}}),
-    "shared-prompt layout": (W1, {"shared_prefix": "off"}),
+    "shared-prompt layout": (W1, {"scoring": {"shared_prefix": "off"}}),
     "LM head on real tokens (W1)": (W1, {"actor": {"logits_chunking": "off"}}),
-    "least-cost bucketing": (W3, {"bucketing": {"split_cost": None}}),
+    "least-cost bucketing": (W3, {"scoring": {"bucketing": {"split_cost": None}}}),
     "LM head on real tokens (W3)": (W3, {"actor": {"logits_chunking": "off"}}),
     "fused LM-head backward (W1)": (W1, {"actor": {"fused_lm_head": False}}),
     "fused LM-head backward (W3)": (W3, {"actor": {"fused_lm_head": False}}),

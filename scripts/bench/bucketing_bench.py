@@ -99,7 +99,7 @@ def main() -> None:
     cases = {}
     for name, bucketing in (("on", None), ("off", {"enabled": False})):
         grpo = CriticFreeModule(actor=spec, reward_fn="lit_rlhf.demo.world:gold_reward_fn", rng_seed=0,
-                                forward_batch_size=16, bucketing=bucketing)  # fmt: skip
+                                scoring={"forward_batch_size": 16, "bucketing": bucketing})  # fmt: skip
         rm = RewardModelModule(spec, bucketing=bucketing)
         cases[name] = (grpo, rm)
     T = data.response_mask.shape[1]

@@ -78,7 +78,9 @@ def bench_parser(doc: str | None, impl: bool = True, lit_args: bool = False):
 
 def with_overrides(kwargs: dict, overrides: dict) -> dict:
     """Module constructor ``kwargs`` with ``overrides`` applied: a dict given for a dataclass or dict
-    argument (ModelSpec, GenerationSettings, Bucketing) updates those fields, anything else replaces it."""
+    argument (ModelSpec, GenerationSettings, a settings group such as ``scoring``) updates those fields,
+    recursively for nested dicts (``{"scoring": {"bucketing": {"split_cost": None}}}`` keeps the other
+    ``scoring`` and ``bucketing`` fields); anything else replaces it."""
     import dataclasses
 
     out = dict(kwargs)
@@ -87,7 +89,7 @@ def with_overrides(kwargs: dict, overrides: dict) -> dict:
         if isinstance(value, dict) and dataclasses.is_dataclass(current):
             out[key] = dataclasses.replace(current, **value)
         elif isinstance(value, dict) and isinstance(current, dict):
-            out[key] = {**current, **value}
+            out[key] = with_overrides(current, value)
         else:
             out[key] = value
     return out

@@ -45,16 +45,16 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
     from lit_rlhf.rollout import GenerationSettings
 
     class TimedGRPO(CriticFreeModule):
-        def generate(self, *a, **k):
+        def generate(self, prompts, prompt_mask, settings=None, greedy=False):
             timeline.mark("gen_start")
-            out = super().generate(*a, **k)
+            out = super().generate(prompts, prompt_mask, settings, greedy)
             timeline.mark("gen_end")
-            tokens.append(int(out[1].sum()))  # (responses, response_mask, truncated)
+            tokens.append(int(out.mask.sum()))  # lit_rlhf.engines.Responses
             return out
 
-        def update_policy(self):
+        def run_update_epochs(self, loss_fn, optimized):
             timeline.mark("upd_start")
-            return super().update_policy()
+            return super().run_update_epochs(loss_fn, optimized)
 
     class Marks(Callback):
         def on_train_start(self, trainer, module):
@@ -67,21 +67,21 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
     kwargs = dict(
         actor=ModelSpec(name_or_path=str(folder / "actor")),
         reward_fn="workloads:bench_reward",
-        advantage_estimator="grpo",
+        advantage=dict(estimator="grpo"),
         generation=GenerationSettings(
             max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=GRPO["num_generations"]
         ),
-        ppo_epochs=1,
-        num_minibatches=1,
-        loss_aggregation="token_mean",
-        clip_coef=GRPO["clip"],
-        kl_coef=0.0,
-        kl_loss_coef=GRPO["beta"],
-        kl_loss_estimator="k3",
-        ratio_threshold=None,  # TRL never skips a minibatch
-        max_grad_norm=GRPO["max_grad_norm"],
+        update=dict(
+            epochs=1,
+            num_minibatches=1,
+            loss_aggregation="token_mean",
+            clip_coef=GRPO["clip"],
+            ratio_threshold=None,  # TRL never skips a minibatch
+            max_grad_norm=GRPO["max_grad_norm"],
+        ),
+        kl=dict(coef=0.0, loss_coef=GRPO["beta"], loss_estimator="k3"),
         max_rollouts=size["grpo_rollouts"],
-        log_samples_every=0,
+        samples=dict(every=0),
         actor_optimizer=default_optimizer(
             CriticFreeModule, "actor_optimizer", lr=GRPO["lr"], weight_decay=0.0
         ),

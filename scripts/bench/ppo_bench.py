@@ -17,6 +17,7 @@ rollouts are reported but excluded from the driver's statistics. Settings: commo
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -77,18 +78,18 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
     from lit_rlhf.rollout import GenerationSettings
 
     class TimedPPO(PPOModule):
-        def generate(self, prompts, prompt_mask):
+        def generate(self, prompts, prompt_mask, settings=None, greedy=False):
             timeline.mark("gen_start")
-            out = super().generate(prompts, prompt_mask)
+            out = super().generate(prompts, prompt_mask, settings, greedy)
             timeline.mark("gen_end")
-            tokens.append(int(out[1].sum()))  # (responses, response_mask, truncated)
+            tokens.append(int(out.mask.sum()))  # lit_rlhf.engines.Responses
             return out
 
-        def ppo_epochs(self):
+        def run_update_epochs(self, loss_fn, optimized):
             timeline.mark("upd_start")
             if args.count_flops and not flops:
-                return count_flops(super().ppo_epochs, flops)
-            return super().ppo_epochs()
+                return count_flops(functools.partial(super().run_update_epochs, loss_fn, optimized), flops)
+            return super().run_update_epochs(loss_fn, optimized)
 
     class Marks(Callback):
         def on_train_start(self, trainer, module):
@@ -105,20 +106,21 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
         reward_model=ModelSpec(name_or_path=str(models / "reward")),
         critic=ModelSpec(name_or_path=str(models / "reward")),
         generation=GenerationSettings(max_new_tokens=S["response_len"], temperature=S["temperature"]),
-        ppo_epochs=S["ppo_epochs"],
-        num_minibatches=S["num_minibatches"],
-        forward_batch_size=S["forward_batch_size"],
-        clip_coef=S["clip_coef"],
-        clip_coef_value=S["clip_coef_value"],
-        vf_coef=S["vf_coef"],
-        gamma=S["gamma"],
-        gae_lambda=S["gae_lambda"],
-        kl_coef=S["kl_coef"],
-        # TRL's PPOTrainer neither clips gradients nor skips minibatches: same work here.
-        max_grad_norm=None,
-        ratio_threshold=None,
+        update=dict(
+            epochs=S["ppo_epochs"],
+            num_minibatches=S["num_minibatches"],
+            clip_coef=S["clip_coef"],
+            clip_coef_value=S["clip_coef_value"],
+            vf_coef=S["vf_coef"],
+            # TRL's PPOTrainer neither clips gradients nor skips minibatches: same work here.
+            max_grad_norm=None,
+            ratio_threshold=None,
+        ),
+        scoring=dict(forward_batch_size=S["forward_batch_size"]),
+        advantage=dict(gamma=S["gamma"], gae_lambda=S["gae_lambda"]),
+        kl=dict(coef=S["kl_coef"]),
         max_rollouts=args.rollouts,
-        log_samples_every=0,
+        samples=dict(every=0),
         actor_optimizer=actor_opt,
         critic_optimizer=critic_opt,
     )
