@@ -6,8 +6,9 @@ distribution of :func:`lit_rlhf.functional.truncated_logprobs` (itself checked b
 vocabulary and against Hugging Face's warpers). The tokens themselves are those of the generation before
 the recording existed: ``generate`` with the old arguments and the old inverse-CDF processor, same seed.
 
-The pad token is suppressed while sampling, so the reference distributions are those of the logits with
-the pad column at -inf (a scoring forward's log-probs differ from them by ``log(1 - p_pad)``, checked too).
+The pad token is suppressed while sampling, so the sampling distributions are those of the logits with
+the pad column at -inf; its tempered mass counts as not kept (``log_kept_mass`` includes ``log(1 - p_pad)``),
+so ``logprobs + log_kept_mass`` is a scoring forward's log-prob (checked too).
 """
 
 from __future__ import annotations
@@ -98,15 +99,17 @@ def test_untruncated_logprobs_equal_the_teacher_forced_forward(tokenizer_dir, co
     out = _generate(model, tok, ids, mask, settings)
     _check_masked(out)
     assert (~out.mask).any() and out.mask.sum() > 40, "some rows end early (stop string), most are long"
-    assert (out.log_kept_mass == 0).all(), "no truncation: the whole tempered mass is kept"
     scored, sampled = _teacher_forced_logits(model, ids, mask, out, tok.pad_token_id)
     expected = torch.log_softmax(sampled / temperature, dim=-1).gather(-1, out.ids[..., None]).squeeze(-1)
     torch.testing.assert_close(out.logprobs[out.mask], expected[out.mask], atol=1e-5, rtol=0)
-    # the scoring forward's log-prob (pad not suppressed) differs by log(1 - p_pad) of the tempered softmax
+    # no truncation: what is not kept is the suppressed pad token's tempered mass
     tempered = torch.log_softmax(scored / temperature, dim=-1)
-    scoring = tempered.gather(-1, out.ids[..., None]).squeeze(-1)
     pad_term = torch.log1p(-tempered[..., tok.pad_token_id].exp())
-    torch.testing.assert_close((out.logprobs + pad_term)[out.mask], scoring[out.mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.log_kept_mass[out.mask], pad_term[out.mask], atol=1e-5, rtol=0)
+    # on the trainer's support: the scoring forward's log-prob (the whole tempered distribution)
+    scoring = tempered.gather(-1, out.ids[..., None]).squeeze(-1)
+    total = out.logprobs + out.log_kept_mass
+    torch.testing.assert_close(total[out.mask], scoring[out.mask], atol=1e-5, rtol=0)
 
 
 # -- generation: top-k / top-p ---------------------------------------------------------------------------
@@ -125,12 +128,15 @@ def test_truncated_logprobs_equal_the_exact_truncated_distribution(tokenizer_dir
     out = _generate(model, tok, ids, mask, settings, seed=1)
     _check_masked(out)
     assert (out.log_kept_mass[out.mask] < -1e-3).all(), "the truncation dropped mass at every step"
-    _, sampled = _teacher_forced_logits(model, ids, mask, out, tok.pad_token_id)
+    scored, sampled = _teacher_forced_logits(model, ids, mask, out, tok.pad_token_id)
     logprobs, log_kept_mass = F.truncated_logprobs(sampled, out.ids, temperature, top_k, top_p)
     assert torch.isfinite(logprobs[out.mask]).all(), "every sampled token is in the kept set"
     torch.testing.assert_close(out.logprobs[out.mask], logprobs[out.mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.log_kept_mass[out.mask], log_kept_mass[out.mask], atol=1e-5, rtol=0)
-    untruncated = torch.log_softmax(sampled / temperature, dim=-1).gather(-1, out.ids[..., None]).squeeze(-1)
+    tempered = torch.log_softmax(scored / temperature, dim=-1)
+    pad_term = torch.log1p(-tempered[..., tok.pad_token_id].exp())  # the suppressed pad's share
+    expected_kept = log_kept_mass + pad_term
+    torch.testing.assert_close(out.log_kept_mass[out.mask], expected_kept[out.mask], atol=1e-5, rtol=0)
+    untruncated = tempered.gather(-1, out.ids[..., None]).squeeze(-1)  # the scoring forward's
     total = out.logprobs + out.log_kept_mass
     torch.testing.assert_close(total[out.mask], untruncated[out.mask], atol=1e-5, rtol=0)
 

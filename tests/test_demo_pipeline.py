@@ -55,6 +55,7 @@ def test_small_pipeline_writes_the_report(small_run):
     assert 0.0 <= summary["rm_val_accuracy"] <= 1.0
     assert summary["max_new_tokens"] >= summary["max_response_tokens"]
     assert summary["ppo_kl_budget"] == report.KL_BUDGET == curves.KL_BUDGET
+    assert summary["ppo_kl_target"] == stages.load_config("ppo", out, small=True)["model"]["init_args"]["kl"]["target"]
     assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
     assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
     report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
@@ -234,6 +235,27 @@ def test_seed_figures_meet_the_target_only_with_lift_kl_and_grammar():
     assert figures["time_to_target_s"] == 5.0 and figures["steps_to_target"] == 4 and figures["train_s"] == 5.0
     for change in ({"kl_ref": 4.1}, {"grammatical_rate": 0.94}, {"gold_mean": 3.9}):
         assert not compare.seed_figures("ppo", 0, {**final, **change}, sft, points, Record())["meets_target"]
+
+
+def test_small_online_configs_use_the_settings_groups(tmp_path):
+    # the miniature's overrides merge into the configs' groups (keeping their other keys) and set no flat
+    # argument of the earlier layout (the module would refuse it)
+    from lit_rlhf.modules.online_settings import MOVED
+
+    flat = set(MOVED["PPOModule"]) | set(MOVED["CriticFreeModule"])
+    for stage in ("ppo", "ppo_overoptimize", "grpo", "rloo", "reinforce_pp"):
+        full = stages.load_config(stage, tmp_path, small=False)["model"]["init_args"]
+        init = stages.load_config(stage, tmp_path, small=True)["model"]["init_args"]
+        assert not flat & set(init), stage
+        assert init["update"] == {**full.get("update", {}), "epochs": 1}, stage
+        assert init["scoring"] == {**full.get("scoring", {}), "forward_batch_size": 8}, stage
+        assert init["max_rollouts"] == 2 and init.get("kl") == full.get("kl"), stage
+
+
+def test_kl_target_is_read_from_the_kl_group():
+    assert report.kl_target({"kl": {"coef": 0.2, "target": 3.5}}) == 3.5
+    assert report.kl_target({"kl": {"coef": 0.2}}) is None
+    assert report.kl_target({}) is None
 
 
 def test_small_overrides_merge_into_nested_config():

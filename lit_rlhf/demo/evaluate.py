@@ -24,9 +24,10 @@ from typing_extensions import override
 from lit_rlhf.data import PreferenceCollator
 from lit_rlhf.demo import world
 from lit_rlhf.demo.assets import gold_accuracy
+from lit_rlhf.engines import HFEngine, RolloutEngine
 from lit_rlhf.functional import masked_row_sum
 from lit_rlhf.models import chunked, load_tokenizer, policy_forward, sequence_scores
-from lit_rlhf.rollout import GenerationSettings, generate_responses
+from lit_rlhf.rollout import GenerationSettings
 
 # How every policy is sampled in the evaluation (and in the gold curves): the rollout settings of the
 # online configs, which must match it so that their KL figures measure the same distributions.
@@ -161,13 +162,17 @@ def sample_responses(
     batch_size: int = 256,
     seed: int = 0,
     desc: str | None = None,
+    engine: RolloutEngine | None = None,
 ) -> list[dict]:
     """One sampled response per prompt with its gold, grammaticality, proxy score, KL and length.
 
     Sampling uses its own seeded random stream (the global one is left as it was), so the same policy
     gives the same responses at every call. Models are used as they are (call ``.eval()`` first); the
-    proxy score is None without a reward model. ``tokenizer`` pads on the left.
+    proxy score is None without a reward model. ``tokenizer`` pads on the left. The responses come from
+    ``engine`` (default: ``HFEngine``, Hugging Face ``generate`` on ``policy``), set up with ``policy``.
     """
+    engine = HFEngine() if engine is None else engine
+    engine.setup(policy, tokenizer)
     rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -175,10 +180,7 @@ def sample_responses(
         for part in tqdm(parts, desc=desc, unit="batch", disable=desc is None):
             texts = list(prompts[part])
             enc = tokenizer(texts, padding=True, return_tensors="pt")
-            responses, response_mask, truncated = generate_responses(
-                policy, enc.input_ids, enc.attention_mask, generation,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-            )  # fmt: skip
+            responses, response_mask, truncated, *_ = engine.generate(enc.input_ids, enc.attention_mask, generation)
             input_ids = torch.cat([enc.input_ids, responses], dim=1)
             attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
             T = responses.shape[1]

@@ -83,8 +83,9 @@ def generation_kwargs(
     else:
         # drawn from the last logits processor's scores, after generate's own ones (the suppressed pad, ...)
         inverse_cdf = resolve_sampler(settings.sampler, input_ids.device, vocab_size) == "inverse_cdf"
+        # the recorder suppresses the pad token itself (generate would, before it): see BehaviourRecorder
         recorder = (InverseCDFSampler if inverse_cdf else MultinomialRecorder)(
-            settings.temperature, settings.top_k, settings.top_p
+            settings.temperature, settings.top_k, settings.top_p, suppress_ids=[pad_token_id]
         )
         sampling = dict(do_sample=not inverse_cdf, **off, logits_processor=LogitsProcessorList([recorder]))
     return dict(
@@ -95,7 +96,7 @@ def generation_kwargs(
         **sampling,
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
-        suppress_tokens=[pad_token_id],
+        suppress_tokens=[pad_token_id] if greedy else None,
         stop_strings=settings.stop_strings or None,
         tokenizer=tokenizer if settings.stop_strings else None,
         use_cache=True,
@@ -136,10 +137,9 @@ def generate_responses(
         the stop; mask (B, T) bool; truncated (B,) bool, no stop within the length limit; logprobs (B, T)
         float32, each token's log-prob under the warped distribution it was sampled from, and
         log_kept_mass (B, T) float32, the log of the tempered mass the top-k/top-p truncation kept, both 0
-        off the mask (None when greedy); loss_mask None. The distribution sampled from is the one left by
-        ``generate``'s other processors: the pad token is suppressed (probability 0), so
-        ``logprobs + log_kept_mass`` is the scoring log-prob of the tempered logits plus
-        ``-log(1 - p_pad)``, ``p_pad`` being the tempered probability a scoring forward gives the pad token.
+        off the mask (None when greedy); loss_mask None. The pad token is never sampled (probability 0): its
+        tempered mass counts as not kept, like a truncation's, so ``logprobs + log_kept_mass`` is the
+        token's log-prob under the whole tempered distribution, the one a scoring forward computes.
 
     Raises:
         ValueError: ``group_size`` does not describe the rows (when the prefill is shared).

@@ -23,6 +23,8 @@ Shapes: B rows, V vocabulary entries, N decoding steps, T response length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -83,13 +85,22 @@ class BehaviourRecorder(LogitsProcessor):
     truncation, one with it or for multinomial sampling, two for truncated multinomial sampling. Only (B,)
     values are kept, and no scores beyond one step's.
 
+    The tokens of ``suppress_ids`` (the pad token) are suppressed here rather than by ``generate`` (the same
+    scores: -inf there, before the warpers), so that the kept mass also counts what they held: then
+    ``logprob + log_kept_mass`` is the drawn token's log-prob under the whole tempered distribution, the one
+    a scoring forward computes.
+
     Args:
         temperature: softmax temperature (> 0; 1.0 = off).
         top_k: keep only the k most likely tokens (0 = off).
         top_p: nucleus sampling mass (1.0 = off).
+        suppress_ids: token ids never drawn (probability 0), whose mass is counted as not kept.
     """
 
-    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+    def __init__(
+        self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()
+    ) -> None:
+        self.suppress_ids = list(suppress_ids)
         if temperature <= 0:
             raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
         self.temperature = None if temperature == 1.0 else TemperatureLogitsWarper(float(temperature))
@@ -105,22 +116,42 @@ class BehaviourRecorder(LogitsProcessor):
 
     @property
     def truncates(self) -> bool:
-        """Whether top-k or top-p is on (else the kept mass is 1 and not computed)."""
+        """Whether top-k or top-p is on."""
         return len(self.truncation) > 0
+
+    @property
+    def keeps_less(self) -> bool:
+        """Whether some mass is not kept (a truncation or suppressed tokens; else the kept mass is 1)."""
+        return self.truncates or bool(self.suppress_ids)
 
     def _warp(
         self, input_ids: torch.LongTensor, scores: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, V) processed scores -> (B, V) warped scores and (B,) logsumexp of the tempered scores (None
-        without a truncation: the warped scores are then the tempered ones)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(B, V) processed scores -> (B, V) warped scores, (B,) logsumexp of the tempered scores after the
+        suppression (None without a truncation: the warped scores are then those), and (B,) logsumexp of
+        the suppressed tokens' tempered scores (None without ``suppress_ids``)."""
         if self.temperature is not None:
             scores = self.temperature(input_ids, scores)
+        suppressed = None
+        if self.suppress_ids:  # as generate's SuppressTokensLogitsProcessor, after tempering (same scores)
+            ids = torch.tensor(self.suppress_ids, device=scores.device)
+            suppressed = scores.index_select(1, ids).logsumexp(dim=1)  # (B,)
+            scores = scores.index_fill(1, ids, float("-inf"))  # (B, V)
         if not self.truncates:
-            return scores, None
+            return scores, None, suppressed
         warped = scores
         for warper in self.truncation:  # what LogitsProcessorList runs, without its per-call signature checks
             warped = warper(input_ids, warped)
-        return warped, log_normaliser(scores)
+        return warped, log_normaliser(scores), suppressed
+
+    def _record_kept_mass(
+        self, log_kept: torch.Tensor, log_total: torch.Tensor | None, suppressed: torch.Tensor | None
+    ) -> None:
+        """Record log(kept mass) = logsumexp(kept) - logsumexp(all tempered scores, suppressed ones included)."""
+        total = log_kept if log_total is None else log_total  # (B,) over the unsuppressed tokens
+        if suppressed is not None:
+            total = torch.logaddexp(total, suppressed)  # (B,)
+        self._log_kept_mass.append(log_kept - total)
 
     def behaviour(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The record of one ``generate`` call, stacked, for its T response tokens; the record is cleared.
@@ -140,7 +171,7 @@ class BehaviourRecorder(LogitsProcessor):
         if not 0 < t <= len(self._logprobs):
             raise RuntimeError(f"{type(self).__name__}: recorded {len(self._logprobs)} steps for {t} tokens")
         logprobs = torch.stack(self._logprobs[:t], dim=1).float()  # (B, T)
-        if self.truncates:
+        if self.keeps_less:
             log_kept_mass = torch.stack(self._log_kept_mass[:t], dim=1).float()  # (B, T)
         else:
             log_kept_mass = torch.zeros_like(logprobs)
@@ -171,14 +202,14 @@ class InverseCDFSampler(BehaviourRecorder):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) 0 at each row's drawn token, -inf elsewhere."""
-        warped, log_total = self._warp(input_ids, scores)  # (B, V), (B,) or None
+        warped, log_total, suppressed = self._warp(input_ids, scores)  # (B, V), (B,) or None, (B,) or None
         probs = warped.softmax(dim=-1)  # (B, V)
         tokens = inverse_cdf_sample(probs)  # (B,)
         logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (B,)
         self._logprobs.append(logprob)
-        if log_total is not None:
+        if self.keeps_less:
             log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (B,) logsumexp(warped)
-            self._log_kept_mass.append(log_kept - log_total)
+            self._record_kept_mass(log_kept, log_total, suppressed)
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
 
@@ -201,17 +232,19 @@ class MultinomialRecorder(BehaviourRecorder):
         top_p: nucleus sampling mass (1.0 = off).
     """
 
-    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
-        super().__init__(temperature, top_k, top_p)
+    def __init__(
+        self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()
+    ) -> None:
+        super().__init__(temperature, top_k, top_p, suppress_ids)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (B, V) scores, (B,) lse
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) warped scores (generate samples their softmax)."""
         self._take_pending(input_ids[:, -1])
-        warped, log_total = self._warp(input_ids, scores)  # (B, V), (B,) or None
+        warped, log_total, suppressed = self._warp(input_ids, scores)  # (B, V), (B,) or None, (B,) or None
         log_kept = log_normaliser(warped)  # (B,)
-        if log_total is not None:
-            self._log_kept_mass.append(log_kept - log_total)
+        if self.keeps_less:
+            self._record_kept_mass(log_kept, log_total, suppressed)
         self._pending = (warped, log_kept)
         return warped
 
