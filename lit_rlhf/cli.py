@@ -31,7 +31,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from lit_rlhf.callbacks import SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
-from lit_rlhf.modules.online_settings import migrate_checkpoint_hparams, moved_hint
+from lit_rlhf.modules.online_migration import migrate_checkpoint_hparams, moved_hint
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",

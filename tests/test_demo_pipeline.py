@@ -240,7 +240,7 @@ def test_seed_figures_meet_the_target_only_with_lift_kl_and_grammar():
 def test_small_online_configs_use_the_settings_groups(tmp_path):
     # the miniature's overrides merge into the configs' groups (keeping their other keys) and set no flat
     # argument of the earlier layout (the module would refuse it)
-    from lit_rlhf.modules.online_settings import MOVED
+    from lit_rlhf.modules.online_migration import MOVED
 
     flat = set(MOVED["PPOModule"]) | set(MOVED["CriticFreeModule"])
     for stage in ("ppo", "ppo_overoptimize", "grpo", "rloo", "reinforce_pp"):

@@ -17,6 +17,7 @@ from ppo_helpers import prompt_loader, tiny_critic_free, trainer
 from lit_rlhf import functional as F
 from lit_rlhf.cli import moved_keys_message
 from lit_rlhf.modules import CriticFreeModule, OnlineRLModule, PPOModule
+from lit_rlhf.modules import online_migration as M
 from lit_rlhf.modules import online_settings as S
 from lit_rlhf.rollout import GenerationSettings
 
@@ -105,7 +106,7 @@ def top_level_arguments(cls: type) -> set[str]:
 def test_the_online_modules_take_about_twenty_top_level_arguments():
     assert len(top_level_arguments(PPOModule)) <= 21, sorted(top_level_arguments(PPOModule))
     assert len(top_level_arguments(CriticFreeModule)) <= 17
-    moved = set(S.MOVED["PPOModule"]) | set(S.MOVED["CriticFreeModule"])
+    moved = set(M.MOVED["PPOModule"]) | set(M.MOVED["CriticFreeModule"])
     assert not moved & (top_level_arguments(PPOModule) | top_level_arguments(CriticFreeModule))
 
 
@@ -139,7 +140,7 @@ def test_moved_keys_message_ignores_other_errors():
 def flat_hparams(hparams: dict, module: str) -> dict:
     """The earlier flat layout of grouped hyper-parameters (the inverse of ``MOVED``)."""
     out = {k: v for k, v in hparams.items() if k not in ("update", "kl", "scoring", "samples", "evaluation", "advantage")}
-    for old, new in S.MOVED[module].items():
+    for old, new in M.MOVED[module].items():
         group, name = new.split(".")
         if group in hparams and name in (hparams[group] or {}):
             out[old] = hparams[group][name]
@@ -163,7 +164,7 @@ def test_a_checkpoint_of_the_flat_layout_loads_mapped(tokenizer_dir, tmp_path):
     assert (loaded.update, loaded.kl, loaded.advantage) == (module.update, module.kl, module.advantage)
     assert loaded.scoring == module.scoring and loaded.samples == module.samples
     assert all(torch.equal(a, b) for a, b in zip(loaded.actor.parameters(), module.actor.parameters()))
-    migrated = S.migrate_checkpoint_hparams("CriticFreeModule", checkpoint["hyper_parameters"])
+    migrated = M.migrate_checkpoint_hparams("CriticFreeModule", checkpoint["hyper_parameters"])
     assert migrated["update"]["epochs"] == 1 and migrated["advantage"] == {"estimator": "rloo", "gamma": 1.0}
 
 

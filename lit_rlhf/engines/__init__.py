@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lit_rlhf.engines.base import Responses, RolloutEngine
+from lit_rlhf.engines.base import Responses, RolloutEngine, check_responses
 from lit_rlhf.engines.hf import HFEngine
 
 # short names an ``engine:`` argument may give instead of a class path
 ENGINES: dict[str, str] = {"hf": "lit_rlhf.engines.HFEngine"}
 
-__all__ = ["ENGINES", "HFEngine", "Responses", "RolloutEngine", "build_engine", "engine_hparams"]
+__all__ = ["ENGINES", "HFEngine", "Responses", "RolloutEngine", "build_engine", "check_responses", "engine_hparams"]
 
 
 def _import_class(path: str, argument: str) -> type:

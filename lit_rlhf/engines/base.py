@@ -102,3 +102,22 @@ class RolloutEngine(ABC):
     def init_args(self) -> dict[str, Any]:
         """The engine's constructor arguments as plain values (stored in ``hparams.yaml``)."""
         return {}
+
+
+def check_responses(out: Responses, prompts: torch.Tensor, settings: Any) -> Responses:
+    """What an engine returned, checked against the protocol (shapes, dtypes, the length limit)."""
+    if not isinstance(out, Responses):
+        raise TypeError(f"rollout engine: generate must return lit_rlhf.engines.Responses, got {type(out).__name__}")
+    B = prompts.shape[0]
+    if out.ids.dim() != 2 or out.ids.shape[0] != B or out.ids.shape[1] > settings.max_new_tokens:
+        raise ValueError(
+            f"rollout engine: responses of shape {tuple(out.ids.shape)} for {B} prompt rows and "
+            f"max_new_tokens={settings.max_new_tokens}; expected (B, T) with T <= max_new_tokens"
+        )
+    for name in ("mask", "logprobs", "log_kept_mass", "loss_mask"):
+        value = getattr(out, name)
+        if value is not None and tuple(value.shape) != tuple(out.ids.shape):
+            raise ValueError(f"rollout engine: Responses.{name} has shape {tuple(value.shape)}, ids {tuple(out.ids.shape)}")
+    if out.truncated.shape != (B,):
+        raise ValueError(f"rollout engine: Responses.truncated has shape {tuple(out.truncated.shape)}, expected ({B},)")
+    return out

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, is_dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -28,8 +28,7 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.data.base import resolve_seed
-from lit_rlhf.data.contract import check_batch, left_pad_prompts
-from lit_rlhf.engines import Responses, RolloutEngine, build_engine, engine_hparams
+from lit_rlhf.engines import RolloutEngine, build_engine, engine_hparams
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
     ModelSpec,
@@ -40,10 +39,12 @@ from lit_rlhf.models import (
     load_tokenizer,
 )
 from lit_rlhf.modules.base import internal_base
-from lit_rlhf.modules.distributed import generation_context, shard_models
+from lit_rlhf.modules.distributed import shard_models
 from lit_rlhf.modules.metrics import MetricGroup
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
 from lit_rlhf.modules.online_eval import OnlineEvaluation
+from lit_rlhf.modules.online_generation import OnlineGeneration
+from lit_rlhf.modules.online_migration import migrate_checkpoint_hparams, moved_hint
 from lit_rlhf.modules.online_scoring import RolloutScoring
 from lit_rlhf.modules.online_settings import (
     EvaluationSettings,
@@ -51,8 +52,6 @@ from lit_rlhf.modules.online_settings import (
     SampleSettings,
     ScoringSettings,
     UpdateSettings,
-    migrate_checkpoint_hparams,
-    moved_hint,
 )
 from lit_rlhf.modules.online_update import OnlineUpdate
 from lit_rlhf.replay import ReplayBuffer
@@ -69,19 +68,8 @@ LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)
 
 
-class Sample(NamedTuple):
-    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, and the (B, P+T) rows."""
-
-    prompts: torch.Tensor
-    prompt_mask: torch.Tensor
-    responses: Responses
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor  # (B, T) bool, the tokens learned from
-
-
 @internal_base
-class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
+class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 
     The contract with an algorithm (a subclass):
@@ -157,27 +145,52 @@ class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookk
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        name = type(self).__name__
-        given = dict(generation=generation, update=update, kl=kl, scoring=scoring, samples=samples,
-                     evaluation=evaluation, **groups)  # fmt: skip
-        if _LOADING_CHECKPOINT.get() and set(groups) - set(self.settings_groups):  # an old flat checkpoint
-            rank_zero_warn(f"{name}: the checkpoint's flat hyper-parameters were mapped into settings groups")
-            given = migrate_checkpoint_hparams(type(self), {k: v for k, v in given.items() if v is not None})
-            engine = given.pop("engine", engine)
-        self.check_arguments(given, reward_model, reward_fn, max_rollouts)
-        for key, cls in self.settings_groups.items():  # self.update, self.kl, ... (checked groups)
-            setattr(self, key, coerce_group(cls, given.get(key), f"{name}: {key}"))
-        self.check_loss_contract()
-        self.eval_generation = self.evaluation.resolve(self.generation)
-        self.engine = build_engine(engine, f"{name}: engine")
+        groups = dict(generation=generation, update=update, kl=kl, scoring=scoring, samples=samples,
+                      evaluation=evaluation, **groups)  # fmt: skip
+        engine = self.configure_settings(groups, engine, reward_model, reward_fn, max_rollouts)
+        self.engine = build_engine(engine, f"{type(self).__name__}: engine")
         self._engine_model: torch.nn.Module | None = None
         self.max_rollouts = max_rollouts
-        rng_seed = self.rng_seed = resolve_seed(rng_seed)
+        self.rng_seed = resolve_seed(rng_seed)
+        self.build_shared_models(actor, reference, reward_model, reward_fn, monitor_reward_fn)
+        self.kl_ctl = (
+            F.FixedKLController(self.kl.coef)
+            if self.kl.target is None
+            else F.AdaptiveKLController(self.kl.coef, self.kl.target, self.kl.horizon)
+        )
+        self.buffer = ReplayBuffer(self.update.num_minibatches, self.rng_seed)
+        update_names = (*self.loss_stats, *self.extra_metrics, "skipped_minibatches", "nonfinite_steps")
+        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_names)
+        self.rollouts_done = 0
+        self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
+        self._rng_to_restore: tuple[torch.Tensor, list] | None = None
+        self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
+        shared = dict(reference=reference, reward_model=reward_model, reward_fn=reward_fn,
+                      monitor_reward_fn=monitor_reward_fn)  # fmt: skip
+        self.save_plain_hyperparameters(inspect.currentframe().f_back, shared)
+
+    def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
+        """Check the arguments and set the checked settings groups (``self.update``, ``self.kl``, ...);
+        returns the engine argument (from an old flat checkpoint's ``generation``, when it had one)."""
+        name = type(self).__name__
+        if _LOADING_CHECKPOINT.get() and set(groups) - set(self.settings_groups):  # an old flat checkpoint
+            rank_zero_warn(f"{name}: the checkpoint's flat hyper-parameters were mapped into settings groups")
+            groups = migrate_checkpoint_hparams(type(self), {k: v for k, v in groups.items() if v is not None})
+            engine = groups.pop("engine", engine)
+        self.check_arguments(groups, reward_model, reward_fn, max_rollouts)
+        for key, cls in self.settings_groups.items():
+            setattr(self, key, coerce_group(cls, groups.get(key), f"{name}: {key}"))
+        self.check_loss_contract()
+        self.eval_generation = self.evaluation.resolve(self.generation)
         self.shared_prefix = self.resolve_shared_prefix(self.scoring.shared_prefix)
+        return engine
+
+    def build_shared_models(self, actor, reference, reward_model, reward_fn, monitor_reward_fn) -> None:
+        """The tokenizer, actor, reference, reward source and monitor, on the seeded initialisation stream."""
         actor = ModelSpec.coerce(actor, "actor")
         self.actor_lora = actor.lora is not None
         self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
-        self._init_seed, self._init_rng_state = rng_seed, None
+        self._init_seed, self._init_rng_state = self.rng_seed, None
         with self.seeded_init():  # seeded, so a resumed run rebuilds identical frozen models
             self.actor = build_causal_lm(actor, self.tokenizer)
             disable_dropout(self.actor)
@@ -192,18 +205,6 @@ class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookk
                 if monitor_reward_fn is None
                 else RewardSource(None, monitor_reward_fn, self.tokenizer, "monitor_reward_fn")
             )
-        kl = self.kl
-        self.kl_ctl = F.FixedKLController(kl.coef) if kl.target is None else F.AdaptiveKLController(kl.coef, kl.target, kl.horizon)
-        self.buffer = ReplayBuffer(self.update.num_minibatches, rng_seed)
-        update_names = (*self.loss_stats, *self.extra_metrics, "skipped_minibatches", "nonfinite_steps")
-        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_names)
-        self.rollouts_done = 0
-        self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
-        self._rng_to_restore: tuple[torch.Tensor, list] | None = None
-        self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
-        shared = dict(reference=reference, reward_model=reward_model, reward_fn=reward_fn,
-                      monitor_reward_fn=monitor_reward_fn)  # fmt: skip
-        self.save_plain_hyperparameters(inspect.currentframe().f_back, shared)
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -289,67 +290,6 @@ class OnlineRLModule(OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookk
             yield
             self._init_rng_state = torch.get_rng_state()
 
-    # -- rollout: generation --------------------------------------------------------------------------
-    @property
-    def num_samples(self) -> int:
-        """K, the responses sampled per prompt."""
-        return self.generation.num_samples
-
-    def expand_prompts(
-        self, batch: dict[str, torch.Tensor], num_samples: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(G, P) prompts -> (G*K, P), checked, LEFT-padded, each prompt's K copies contiguous.
-
-        The batch must have the ``prompt`` layout (``lit_rlhf.data.contract``); right-padded rows are
-        left-padded here, so generation continues every prompt from its last real token (K defaults to
-        ``generation.num_samples``).
-        """
-        check_batch(batch, "prompt", type(self).__name__)
-        ids, mask = left_pad_prompts(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
-        k = self.num_samples if num_samples is None else num_samples
-        if k == 1:
-            return ids, mask
-        return ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
-
-    def rollout_engine(self) -> RolloutEngine:
-        """The engine, set up with the actor (again when the actor object changed, e.g. wrapped by FSDP)."""
-        if self._engine_model is not self.actor:
-            self.engine.setup(self.actor, self.tokenizer, world_size=self.trainer.world_size)
-            self._engine_model = self.actor
-        return self.engine
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        settings: GenerationSettings | None = None,
-        greedy: bool = False,
-    ) -> Responses:
-        """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
-        ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
-        settings = settings or self.generation
-        engine = self.rollout_engine()
-        with self.trainer.profiler.profile("rollout/generate"):
-            if not engine.uses_policy:
-                return check_responses(engine.generate(prompts, prompt_mask, settings, greedy=greedy), prompts, settings)
-            was_training = self.actor.training
-            self.actor.eval()
-            with generation_context(self, self.actor):
-                out = engine.generate(prompts, prompt_mask, settings, greedy=greedy)
-            self.actor.train(was_training)
-        return check_responses(out, prompts, settings)
-
-    def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
-        """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
-        joined to their prompts as the (B, P+T) rows the trainer scores."""
-        prompts, prompt_mask = self.expand_prompts(batch)
-        responses = self.generate(prompts, prompt_mask)
-        input_ids = torch.cat([prompts, responses.ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
-        loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
-        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask)
-
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
 
@@ -390,22 +330,3 @@ def coerce_group(cls: type[Settings], value: Any, argument: str) -> Settings:
         if not message.startswith(argument.split(":")[0] + ":"):
             message = f"{argument.split(':')[0]}: {message}"
         raise type(err)(message) from err
-
-
-def check_responses(out: Responses, prompts: torch.Tensor, settings: GenerationSettings) -> Responses:
-    """What an engine returned, checked against the protocol (shapes, dtypes, the length limit)."""
-    if not isinstance(out, Responses):
-        raise TypeError(f"rollout engine: generate must return lit_rlhf.engines.Responses, got {type(out).__name__}")
-    B = prompts.shape[0]
-    if out.ids.dim() != 2 or out.ids.shape[0] != B or out.ids.shape[1] > settings.max_new_tokens:
-        raise ValueError(
-            f"rollout engine: responses of shape {tuple(out.ids.shape)} for {B} prompt rows and "
-            f"max_new_tokens={settings.max_new_tokens}; expected (B, T) with T <= max_new_tokens"
-        )
-    for name in ("mask", "logprobs", "log_kept_mass", "loss_mask"):
-        value = getattr(out, name)
-        if value is not None and tuple(value.shape) != tuple(out.ids.shape):
-            raise ValueError(f"rollout engine: Responses.{name} has shape {tuple(value.shape)}, ids {tuple(out.ids.shape)}")
-    if out.truncated.shape != (B,):
-        raise ValueError(f"rollout engine: Responses.truncated has shape {tuple(out.truncated.shape)}, expected ({B},)")
-    return out

@@ -1,0 +1,95 @@
+"""Generation of :class:`~lit_rlhf.modules.online.OnlineRLModule`: the prompts of a batch, K copies each,
+sent through the rollout engine (``lit_rlhf.engines``), and the rows the trainer scores.
+
+Shapes: G prompts, K samples per prompt, B = G*K rollout rows, P prompt length (left-padded), T response
+length (right-padded).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lit_rlhf.data.contract import check_batch, left_pad_prompts
+from lit_rlhf.engines import Responses, RolloutEngine, check_responses
+from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.distributed import generation_context
+from lit_rlhf.rollout import GenerationSettings
+
+
+class Sample(NamedTuple):
+    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, and the (B, P+T) rows."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: Responses
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor  # (B, T) bool, the tokens learned from
+
+
+@internal_base
+class OnlineGeneration(LightningModule):
+    """Mixin of OnlineRLModule (it relies on the base's ``engine``, ``generation``, ``actor``, ``tokenizer``)."""
+
+    @property
+    def num_samples(self) -> int:
+        """K, the responses sampled per prompt."""
+        return self.generation.num_samples
+
+    def expand_prompts(
+        self, batch: dict[str, torch.Tensor], num_samples: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, P) prompts -> (G*K, P), checked, LEFT-padded, each prompt's K copies contiguous.
+
+        The batch must have the ``prompt`` layout (``lit_rlhf.data.contract``); right-padded rows are
+        left-padded here, so generation continues every prompt from its last real token (K defaults to
+        ``generation.num_samples``).
+        """
+        check_batch(batch, "prompt", type(self).__name__)
+        ids, mask = left_pad_prompts(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
+        k = self.num_samples if num_samples is None else num_samples
+        if k == 1:
+            return ids, mask
+        return ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
+
+    def rollout_engine(self) -> RolloutEngine:
+        """The engine, set up with the actor (again when the actor object changed, e.g. wrapped by FSDP)."""
+        if self._engine_model is not self.actor:
+            self.engine.setup(self.actor, self.tokenizer, world_size=self.trainer.world_size)
+            self._engine_model = self.actor
+        return self.engine
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        settings: GenerationSettings | None = None,
+        greedy: bool = False,
+    ) -> Responses:
+        """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
+        ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
+        settings = settings or self.generation
+        engine = self.rollout_engine()
+        with self.trainer.profiler.profile("rollout/generate"):
+            if not engine.uses_policy:
+                return check_responses(engine.generate(prompts, prompt_mask, settings, greedy=greedy), prompts, settings)
+            was_training = self.actor.training
+            self.actor.eval()
+            with generation_context(self, self.actor):
+                out = engine.generate(prompts, prompt_mask, settings, greedy=greedy)
+            self.actor.train(was_training)
+        return check_responses(out, prompts, settings)
+
+    def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
+        """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
+        joined to their prompts as the (B, P+T) rows the trainer scores."""
+        prompts, prompt_mask = self.expand_prompts(batch)
+        responses = self.generate(prompts, prompt_mask)
+        input_ids = torch.cat([prompts, responses.ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
+        loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
+        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask)
