@@ -90,10 +90,25 @@ def plan_micro_batches(
         sorted_widths = [widths[g] for g in order.tolist()]
         cuts = _cheapest_cuts(sorted_widths, group_size, token_budget, max_rows, split_cost)
         return [group_rows[order[a:b]].flatten() for a, b in zip(cuts[:-1], cuts[1:])]
+    plans = _greedy_plans(order.tolist(), widths, segments, group_size, token_budget, max_rows)
+    return [group_rows[groups].flatten() for groups in plans]
+
+
+def _greedy_plans(
+    order: list[int],
+    widths: list[list[int]],
+    segments: int,
+    group_size: int,
+    token_budget: int | None,
+    max_rows: int | None,
+) -> list[list[int]]:
+    """The greedy fill: the groups taken in ``order`` (their (S,) ``widths`` indexed by group) are added
+    to the current micro-batch until one more would take it past ``token_budget`` padded tokens or
+    ``max_rows`` rows. Returns the groups of each micro-batch."""
     plans: list[list[int]] = []
     current: list[int] = []
     longest = [0] * segments
-    for g in order.tolist():
+    for g in order:
         merged = [max(a, b) for a, b in zip(longest, widths[g])]
         rows = (len(current) + 1) * group_size
         over = (token_budget is not None and rows * sum(merged) > token_budget) or (
@@ -106,7 +121,7 @@ def plan_micro_batches(
         longest = merged
     if current:
         plans.append(current)
-    return [group_rows[groups].flatten() for groups in plans]
+    return plans
 
 
 def _cheapest_cuts(

@@ -44,7 +44,7 @@ def screen_scores(
     scores: torch.Tensor,
     policy: NonFinitePolicy,
     *,
-    rollout: int,
+    rollout: int | str,
     source: str,
     prompts: Sequence[str],
     responses: Sequence[str],
@@ -58,7 +58,7 @@ def screen_scores(
             in the returned mask (the caller drops them and counts ``(~keep).sum()``). Dropping every row
             raises as well: nothing would be left to learn from (unless ``allow_empty``: other
             data-parallel ranks still hold kept rows).
-        rollout: rollout number, for the message.
+        rollout: rollout number (or a label such as ``"the evaluation after rollout 3"``), for the message.
         source: what produced the scores (e.g. ``"reward_fn tests.rewards.length"`` or
             ``"reward model /models/rm"``), for the message.
         prompts, responses: the B decoded prompts and responses, for the message.
@@ -75,7 +75,7 @@ def screen_scores(
     value = scores[first].flatten()[~torch.isfinite(scores[first].flatten())][0].item()
     what = "every row" if policy == "drop" else f"{len(rows)} of {len(bad)} rows"
     raise NonFiniteError(
-        f"rollout {rollout}: {source} returned non-finite scores for {what} (rows {rows[:8]}"
+        f"{rollout if isinstance(rollout, str) else f'rollout {rollout}'}: {source} returned non-finite scores for {what} (rows {rows[:8]}"
         f"{'...' if len(rows) > 8 else ''}); first: row {first}, score {value}, prompt {_quote(prompts[first])},"
         f" response {_quote(responses[first])}. Fix the scorer, or set on_nonfinite='drop' to drop such rows"
     )

@@ -31,3 +31,12 @@ def as_strings(prompts: list[str], responses: list[str]) -> list[str]:
 def with_none(prompts: list[str], responses: list[str]) -> list[float | None]:
     """A broken reward function: None for every response but the first."""
     return [1.0] + [None] * (len(responses) - 1)
+
+
+def nan_every_other(prompts: list[str], responses: list[str]) -> list[float]:
+    """``the_count``, but NaN for every second response of a call."""
+    return [float("nan") if i % 2 else float(r.count("the")) + 1.0 for i, r in enumerate(responses)]
+
+
+def always_nan(prompts: list[str], responses: list[str]) -> list[float]:
+    return [float("nan")] * len(responses)

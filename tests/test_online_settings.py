@@ -178,3 +178,34 @@ def test_the_package_cites_only_what_a_reader_can_open():
     ]
     assert not offenders, offenders
     assert not (ROOT / "config.yaml").exists(), "a stray root config.yaml"
+
+
+def test_the_cli_resumes_a_checkpoint_of_the_flat_layout(tokenizer_dir, prompt_file, tmp_path, monkeypatch):
+    """``--ckpt_path`` with a checkpoint whose hyper-parameters are flat: mapped into the groups, it validates
+    with the checkpoint's settings (over the config file's)."""
+    import json
+
+    from lit_rlhf.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    actor = {"config": gpt2_config(), "tokenizer": tokenizer_dir}
+    args = [
+        f"--config={ROOT / 'configs/grpo_tiny.yaml'}", "--model.init_args.actor=null",
+        f"--model.init_args.actor={json.dumps(actor)}",
+        "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
+        "--model.init_args.max_rollouts=1", "--model.init_args.generation.max_new_tokens=4",
+        f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        f"--data.init_args.val_path={prompt_file}", "--data.init_args.test_path=null",
+        "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1",
+    ]  # fmt: skip
+    cli = run_cli(["fit", *args, "--model.init_args.update.epochs=1", "--model.init_args.kl.loss_coef=0.02"])
+    path = tmp_path / "flat.ckpt"
+    cli.trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    hparams = dict(checkpoint["hyper_parameters"])
+    checkpoint["hyper_parameters"] = {**flat_hparams(hparams, "CriticFreeModule"), "_class_path": hparams["_class_path"]}
+    assert checkpoint["hyper_parameters"]["kl_loss_coef"] == 0.02 and "kl" not in checkpoint["hyper_parameters"]
+    torch.save(checkpoint, path)
+    resumed = run_cli(["validate", *args, f"--ckpt_path={path}"])
+    assert (resumed.model.update.epochs, resumed.model.kl.loss_coef) == (1, 0.02), "the checkpoint's settings"
+    assert resumed.model.advantage.estimator == "grpo" and resumed.trainer.callback_metrics["val/score"] >= 0

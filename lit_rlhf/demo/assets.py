@@ -29,12 +29,16 @@ import statistics
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
 from lit_rlhf.demo import world
 from lit_rlhf.models.tokenizer import train_bpe_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 HELDOUT_MODULUS = 10  # about 1 prompt in 10 (~3.6k of the 35,840 prompts) is held out
 
@@ -173,6 +177,47 @@ def build_assets(
         raise ValueError(f"bt_temperature must be > 0, got {bt_temperature}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    args = dict(
+        n_sft=n_sft,
+        n_prompts=n_prompts,
+        n_pref_prompts=n_pref_prompts,
+        completions_per_prompt=completions_per_prompt,
+        n_eval_prompts=n_eval_prompts,
+        val_fraction=val_fraction,
+        seed=seed,
+        vocab_size=vocab_size,
+        bt_temperature=bt_temperature,
+    )
+    data, paths = _write_data(
+        out, seed=seed, n_sft=n_sft, n_prompts=n_prompts, n_pref_prompts=n_pref_prompts,
+        k=completions_per_prompt, n_eval_prompts=n_eval_prompts, val_fraction=val_fraction,
+        bt_temperature=bt_temperature,
+    )  # fmt: skip
+
+    texts = [row["prompt"] + row["completion"] for row in data["sft_train"]]
+    tokenizer = train_bpe_tokenizer(texts[:TOKENIZER_TEXTS], vocab_size=vocab_size)
+    paths["tokenizer"] = out / "tokenizer"
+    tokenizer.save_pretrained(paths["tokenizer"])
+
+    paths["manifest"] = out / "manifest.json"
+    paths["manifest"].write_text(json.dumps(_manifest(args, tokenizer, texts, data), indent=2) + "\n")
+    return paths
+
+
+def _write_data(
+    out: Path,
+    *,
+    seed: int,
+    n_sft: int,
+    n_prompts: int,
+    n_pref_prompts: int,
+    k: int,
+    n_eval_prompts: int,
+    val_fraction: float,
+    bt_temperature: float,
+) -> tuple[dict[str, list[dict]], dict[str, Path]]:
+    """Draw and write the ``*.jsonl`` files (arguments as in :func:`build_assets`, ``k`` its
+    ``completions_per_prompt``). Returns the rows and the path of each file, keyed by file name."""
 
     def stream(name: str) -> random.Random:
         # One generator per file: a file does not change when another file's size changes.
@@ -181,7 +226,6 @@ def build_assets(
     n_sft_val = math.ceil(n_sft * val_fraction)
     n_pref_val = math.ceil(n_pref_prompts * val_fraction)
     sft_train = _sft_rows(stream("sft_train"), n_sft, heldout=False)
-    k = completions_per_prompt
     builders = {
         "sft_train": lambda: sft_train,
         "sft_val": lambda: _sft_rows(stream("sft_val"), n_sft_val, heldout=True),
@@ -194,26 +238,17 @@ def build_assets(
     for name, build in tqdm(builders.items(), desc="demo assets", unit="file"):
         data[name] = build()
         paths[name] = _write_jsonl(out / f"{name}.jsonl", data[name])
+    return data, paths
 
-    texts = [row["prompt"] + row["completion"] for row in sft_train]
-    tokenizer = train_bpe_tokenizer(texts[:TOKENIZER_TEXTS], vocab_size=vocab_size)
-    paths["tokenizer"] = out / "tokenizer"
-    tokenizer.save_pretrained(paths["tokenizer"])
 
-    pairs = data["prefs_train"]
-    ordered = [r for r in pairs if r["gold_chosen"] != r["gold_rejected"]]
-    manifest = {
-        "args": dict(
-            n_sft=n_sft,
-            n_prompts=n_prompts,
-            n_pref_prompts=n_pref_prompts,
-            completions_per_prompt=k,
-            n_eval_prompts=n_eval_prompts,
-            val_fraction=val_fraction,
-            seed=seed,
-            vocab_size=vocab_size,
-            bt_temperature=bt_temperature,
-        ),
+def _manifest(
+    args: dict, tokenizer: PreTrainedTokenizerBase, texts: list[str], data: dict[str, list[dict]]
+) -> dict:
+    """The manifest: :func:`build_assets`'s ``args``, the statistics of the world, of the trained
+    ``tokenizer``, of the SFT ``texts`` (prompt + completion) and of the rows of each file (``data``)."""
+    ordered = [r for r in data["prefs_train"] if r["gold_chosen"] != r["gold_rejected"]]
+    return {
+        "args": args,
         "language_size": world.count_sentences(),
         "n_distinct_prompts": world.count_sentences(0),
         "n_words": len(world.vocabulary()),
@@ -226,9 +261,6 @@ def build_assets(
         "prefs_train_label_gold_agreement": sum(r["gold_chosen"] > r["gold_rejected"] for r in ordered)
         / max(len(ordered), 1),
     }
-    paths["manifest"] = out / "manifest.json"
-    paths["manifest"].write_text(json.dumps(manifest, indent=2) + "\n")
-    return paths
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Path]:

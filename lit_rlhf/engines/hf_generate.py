@@ -27,6 +27,8 @@ from lit_rlhf.models.sampling import (
 )
 
 if TYPE_CHECKING:  # lit_rlhf.rollout re-exports this module's functions
+    from transformers import DynamicCache
+
     from lit_rlhf.rollout import GenerationSettings
 
 __all__ = ["generate_responses", "generation_kwargs", "response_mask_from_tokens"]
@@ -133,13 +135,10 @@ def generate_responses(
             ``settings.shares_prefill`` says so.
 
     Returns:
-        ``Responses`` (``lit_rlhf.engines.base``): ids (B, T) token ids, T <= max_new_tokens, padding after
-        the stop; mask (B, T) bool; truncated (B,) bool, no stop within the length limit; logprobs (B, T)
-        float32, each token's log-prob under the warped distribution it was sampled from, and
-        log_kept_mass (B, T) float32, the log of the tempered mass the top-k/top-p truncation kept, both 0
-        off the mask (None when greedy); loss_mask None. The pad token is never sampled (probability 0): its
-        tempered mass counts as not kept, like a truncation's, so ``logprobs + log_kept_mass`` is the
-        token's log-prob under the whole tempered distribution, the one a scoring forward computes.
+        ``Responses`` (``lit_rlhf.engines.base``), T <= max_new_tokens; logprobs and log_kept_mass None when
+        greedy, loss_mask None. The pad token is never sampled (probability 0): its tempered mass counts as
+        not kept, like a truncation's, so ``logprobs + log_kept_mass`` is still the token's log-prob under
+        the whole tempered distribution, the one a scoring forward computes.
 
     Raises:
         ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
@@ -151,21 +150,27 @@ def generate_responses(
     )  # fmt: skip
     recorder = next((p for p in kwargs.get("logits_processor", ()) if isinstance(p, BehaviourRecorder)), None)
     if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
-        if not is_grouped(input_ids, attention_mask, group_size):
-            raise ValueError(
-                f"generate_responses: group_size={group_size}, but the {input_ids.shape[0]} prompt rows are "
-                f"not contiguous groups of {group_size} copies of one prompt"
-            )
-        cache = prefill_groups(model, input_ids, attention_mask, group_size)
+        cache = _shared_prefill(model, input_ids, attention_mask, group_size)
         if cache is not None:
             kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
     with transposed_lm_head(model, enabled=settings.transposed_head):
         out = model.generate(**kwargs)
-    responses = out[:, input_ids.shape[1] :]
+    return _responses(out[:, input_ids.shape[1] :], stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+
+
+def _responses(
+    responses: torch.Tensor,
+    stop_ids: list[int],
+    pad_token_id: int,
+    max_new_tokens: int,
+    recorder: BehaviourRecorder | None,
+) -> Responses:
+    """(B, T) generated ids -> the ``Responses`` of :func:`generate_responses`, with the behaviour
+    log-probs of the sampling ``recorder`` (None: greedy decoding, no log-probs)."""
     response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
     lengths = response_mask.sum(dim=1)
     # A row without a stop id that ended early was stopped by a stop string.
-    truncated = ~has_stop & (lengths >= settings.max_new_tokens)
+    truncated = ~has_stop & (lengths >= max_new_tokens)
     if recorder is None:
         return Responses(responses, response_mask, truncated)
     logprobs, log_kept_mass = recorder.behaviour(responses)  # (B, T) each
@@ -175,3 +180,20 @@ def generate_responses(
         logprobs=torch.where(response_mask, logprobs, zero),
         log_kept_mass=torch.where(response_mask, log_kept_mass, zero),
     )  # fmt: skip
+
+
+def _shared_prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int
+) -> DynamicCache | None:
+    """The KV cache of each group's prompt prefilled once and repeated for its ``group_size`` rows
+    (``lit_rlhf.models.prefill.prefill_groups``; None where the model's cache cannot be shared).
+
+    Raises:
+        ValueError: the rows are not contiguous groups of ``group_size`` copies of one prompt.
+    """
+    if not is_grouped(input_ids, attention_mask, group_size):
+        raise ValueError(
+            f"generate_responses: group_size={group_size}, but the {input_ids.shape[0]} prompt rows are "
+            f"not contiguous groups of {group_size} copies of one prompt"
+        )
+    return prefill_groups(model, input_ids, attention_mask, group_size)

@@ -153,10 +153,28 @@ def ppo_policy_loss(
         ``approx_kl`` = 0.5 * mean((lp - old)^2), ``policy_kl`` = mean(old - lp), ``ratio_mean`` and
         ``ratio_max`` (over masked tokens, of the token-level ratio whatever the importance-sampling level).
     """
-    fn = "ppo_policy_loss"
     check_same_shape(
-        fn, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
+        "ppo_policy_loss",
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask,
+    )  # fmt: skip
+    clip_coef_high = _check_clip_options(clip_coef, clip_coef_high, importance_sampling_level)
+    mask, log_ratio, ratio, advantages = _ratio_terms(logprobs, old_logprobs, advantages, response_mask)
+    stats = _ratio_stats(mask, log_ratio, ratio)
+    if importance_sampling_level == "sequence":
+        ratio = _sequence_ratio(log_ratio, mask)  # (B, T): s_i on every masked token
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef_high)  # (B, T)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_aggregation, max_response_length)
+    stats["clipfrac"] = masked_mean((clipped > unclipped).float(), mask).detach()
+    return loss, stats
+
+
+def _check_clip_options(
+    clip_coef: float, clip_coef_high: float | None, importance_sampling_level: str
+) -> float:
+    """Raise ValueError for a clip coefficient <= 0 or an unknown importance-sampling level of
+    :func:`ppo_policy_loss`; return eps_high (``clip_coef`` when ``clip_coef_high`` is None)."""
+    fn = "ppo_policy_loss"
     check_number(fn, "clip_coef", clip_coef, low=0.0, low_inclusive=False)
     clip_coef_high = clip_coef if clip_coef_high is None else clip_coef_high
     check_number(fn, "clip_coef_high", clip_coef_high, low=0.0, low_inclusive=False)
@@ -164,17 +182,15 @@ def ppo_policy_loss(
         raise ValueError(
             f"{fn}: unknown `importance_sampling_level` {importance_sampling_level!r}; expected token or sequence"
         )
-    mask, log_ratio, ratio, advantages = _ratio_terms(logprobs, old_logprobs, advantages, response_mask)
-    stats = _ratio_stats(mask, log_ratio, ratio)
-    if importance_sampling_level == "sequence":
-        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-        seq_log_ratio = masked_row_sum(log_ratio, mask).unsqueeze(1) / lengths  # (B, 1)
-        ratio = torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T): s_i on every masked token
-    unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef_high)  # (B, T)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_aggregation, max_response_length)
-    stats["clipfrac"] = masked_mean((clipped > unclipped).float(), mask).detach()
-    return loss, stats
+    return clip_coef_high
+
+
+def _sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's ratio: (B, T) token log-ratios (0 off the mask) -> (B, T) s_i = exp(mean over response i's
+    masked tokens of the log-ratio) on every masked token of row i, 0 off the mask."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    seq_log_ratio = masked_row_sum(log_ratio, mask).unsqueeze(1) / lengths  # (B, 1)
+    return torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T)
 
 
 def reference_kl_loss(
@@ -392,6 +408,32 @@ def dpo_loss(
         ``rewards/accuracies`` (share of pairs whose chosen reward is the larger), ``logps/chosen`` and
         ``logps/rejected`` (the policy's log-probs as passed).
     """
+    _check_dpo_args(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+        beta, loss_type, label_smoothing, simpo_gamma,
+    )  # fmt: skip
+    reference_free = loss_type == "simpo"
+    chosen = as_float(policy_chosen_logps)  # (B,)
+    rejected = as_float(policy_rejected_logps)  # (B,)
+    if not reference_free:
+        chosen = chosen - as_float(ref_chosen_logps)  # (B,) log pi/pi_ref of the chosen response
+        rejected = rejected - as_float(ref_rejected_logps)  # (B,)
+    h = chosen - rejected  # (B,)
+    losses = _preference_losses(h, beta, loss_type, label_smoothing, simpo_gamma)  # (B,)
+    return losses.mean(), _dpo_stats(beta, chosen, rejected, policy_chosen_logps, policy_rejected_logps)
+
+
+def _check_dpo_args(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    simpo_gamma: float,
+) -> None:
+    """Raise ValueError for arguments of :func:`dpo_loss` outside its Args (same names and meanings)."""
     fn = "dpo_loss"
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"{fn}: `loss_type` must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
@@ -415,20 +457,29 @@ def dpo_loss(
     if policy_chosen_logps.dim() != 1:
         raise ValueError(f"{fn}: log-probs must be 1-D (B,), got shape {tuple(policy_chosen_logps.shape)}")
 
-    chosen = as_float(policy_chosen_logps)  # (B,)
-    rejected = as_float(policy_rejected_logps)  # (B,)
-    if not reference_free:
-        chosen = chosen - as_float(ref_chosen_logps)  # (B,) log pi/pi_ref of the chosen response
-        rejected = rejected - as_float(ref_rejected_logps)  # (B,)
-    h = chosen - rejected  # (B,)
+
+def _preference_losses(
+    h: torch.Tensor, beta: float, loss_type: str, label_smoothing: float, simpo_gamma: float
+) -> torch.Tensor:
+    """(B,) log-ratio differences h (SimPO: pc - pr) -> (B,) per-pair losses of :func:`dpo_loss`."""
     if loss_type == "ipo":
-        losses = (h - 1.0 / (2.0 * beta)).square()  # (B,)
-    else:
-        logits = beta * h - simpo_gamma  # (B,)
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)  # (B,)
+        return (h - 1.0 / (2.0 * beta)).square()  # (B,)
+    logits = beta * h - simpo_gamma  # (B,)
+    return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)  # (B,)
+
+
+def _dpo_stats(
+    beta: float,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """:func:`dpo_loss`'s stats from the (B,) float log-ratios of the chosen and of the rejected responses
+    (SimPO: the policy's log-probs) and the (B,) policy log-probs as passed."""
     chosen_rewards = beta * chosen.detach()  # (B,)
     rejected_rewards = beta * rejected.detach()  # (B,)
-    stats = {
+    return {
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
@@ -436,4 +487,3 @@ def dpo_loss(
         "logps/chosen": as_float(policy_chosen_logps).detach().mean(),
         "logps/rejected": as_float(policy_rejected_logps).detach().mean(),
     }
-    return losses.mean(), stats

@@ -59,6 +59,26 @@ def truncated_logprobs(
         log_kept_mass: (B, T) float32 (float64 kept) log of the tempered mass the truncation kept
             (exactly 0 with top_k = 0 and top_p = 1).
     """
+    _check_truncation_args(logits, labels, temperature, top_k, top_p)
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)  # (N, V), N = B * T
+    flat_labels = labels.reshape(-1, 1)  # (N, 1)
+    rows = max(_CHUNK_ELEMENTS // max(vocab, 1), 1)
+    parts = [
+        _truncated_rows(chunk, chunk_labels, temperature, int(top_k), float(top_p))
+        for chunk, chunk_labels in zip(flat_logits.split(rows), flat_labels.split(rows))
+    ]
+    if not parts:  # no positions
+        empty = as_float(logits.new_zeros(labels.shape))
+        return empty, empty.clone()
+    logprobs, log_kept_mass = (torch.cat(values).view(labels.shape) for values in zip(*parts))
+    return logprobs, log_kept_mass
+
+
+def _check_truncation_args(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> None:
+    """Raise ValueError for arguments of :func:`truncated_logprobs` outside its Args."""
     fn = "truncated_logprobs"
     check_number(fn, "temperature", temperature, low=0.0, low_inclusive=False)
     check_number(fn, "top_k", top_k, low=0, low_inclusive=True)
@@ -75,18 +95,6 @@ def truncated_logprobs(
     vocab = logits.shape[-1]
     if labels.numel() and not bool(((labels >= 0) & (labels < vocab)).all()):
         raise ValueError(f"{fn}: `labels` must lie in [0, {vocab}) (the vocabulary of `logits`)")
-    flat_logits = logits.reshape(-1, vocab)  # (N, V), N = B * T
-    flat_labels = labels.reshape(-1, 1)  # (N, 1)
-    rows = max(_CHUNK_ELEMENTS // max(vocab, 1), 1)
-    parts = [
-        _truncated_rows(chunk, chunk_labels, temperature, int(top_k), float(top_p))
-        for chunk, chunk_labels in zip(flat_logits.split(rows), flat_labels.split(rows))
-    ]
-    if not parts:  # no positions
-        empty = as_float(logits.new_zeros(labels.shape))
-        return empty, empty.clone()
-    logprobs, log_kept_mass = (torch.cat(values).view(labels.shape) for values in zip(*parts))
-    return logprobs, log_kept_mass
 
 
 def _truncated_rows(

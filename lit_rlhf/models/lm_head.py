@@ -251,6 +251,24 @@ def head_token_scores(
     use_checkpoint = grad and not small  # recompute a chunk's logits in backward only where memory asks
     if grad and small:
         tokens_per_chunk = n_tokens  # all at once, nothing recomputed
+    return _chunked_scores(
+        head, hidden, labels, temperature, entropy, entropy_grad, argmax, tokens_per_chunk, use_checkpoint
+    )
+
+
+def _chunked_scores(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+    entropy_grad: bool,
+    argmax: bool,
+    tokens_per_chunk: int,
+    use_checkpoint: bool,
+) -> TokenScores:
+    """:func:`head_token_scores` through autograd's graph: the head applied ``tokens_per_chunk`` rows at a
+    time, each chunk under activation checkpointing when ``use_checkpoint`` (other arguments as there)."""
 
     def score(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits = head(h)  # (n, V), recomputed in backward
@@ -261,11 +279,11 @@ def head_token_scores(
     run: Callable[..., tuple[torch.Tensor, ...]] = (
         (lambda h, y: checkpoint(score, h, y, use_reentrant=False)) if use_checkpoint else score
     )
-    if n_tokens == 0:
+    if hidden.shape[0] == 0:
         parts = [score(hidden, labels)]
     else:
         parts = [run(h, y) for h, y in zip(hidden.split(tokens_per_chunk), labels.split(tokens_per_chunk))]
-    columns = [torch.cat(column) for column in zip(*parts)]
+    columns = [torch.cat(column) for column in zip(*parts)]  # (N,) each
     logprobs = columns.pop(0)
     ent = columns.pop(0) if entropy else None
     if ent is not None and not entropy_grad:

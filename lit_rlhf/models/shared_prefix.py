@@ -20,6 +20,7 @@ callers use the padded layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -141,19 +142,55 @@ def pack_shared_prefix(
         layout = pack_shared_prefix(
             input_ids[order], prompt_mask[order], response_mask[order], pad_token_id, mask_dtype, response_width
         )
-        back = torch.argsort(order)  # row n of the input is row back[n] of the packed order
-        for name in ("predict_index", "labels", "response_mask", "last_index"):
-            setattr(layout, name, getattr(layout, name)[back])
-        return layout
-    prompt_mask, response_mask = prompt_mask.bool(), response_mask.bool()
-    prompts, p_len = _compact(input_ids, prompt_mask, pad_token_id)  # (N, Pm), (N,)
-    responses, r_len = _compact(input_ids, response_mask, pad_token_id)  # (N, Tm), (N,)
+        return _restore_order(layout, order)
+    prompts, p_len = _compact(input_ids, prompt_mask.bool(), pad_token_id)  # (N, Pm), (N,)
+    responses, r_len = _compact(input_ids, response_mask.bool(), pad_token_id)  # (N, Tm), (N,)
     if bool((p_len == 0).any()):
         raise ValueError("pack_shared_prefix: every row needs at least one prompt token")
-    N, device = input_ids.shape[0], input_ids.device
     # 1. Groups: runs of consecutive rows with the same prompt; row n's response starts after its
     #    group's prompt and the responses of the rows before it in the group.
+    groups = _groups(prompts, p_len, r_len)
+    # 2. Packed ids, segment of every position (-1 padding, 0 prompt, n + 1 row n's response) and positions.
+    ids, segment, positions = _packed_rows(prompts, p_len, responses, r_len, groups, pad_token_id)
+    # 3. Block mask: a real query attends to real keys at or before it that are the prompt or its own
+    #    segment; every query attends to itself (padding queries then give finite, unread outputs).
+    attention_mask = _block_mask(segment, mask_dtype)
+    # 4. Read-back maps: response token t is predicted at the position before it (the prompt's last for t = 0).
+    T = int(r_len.max()) if response_width is None else response_width
+    predict_index, labels, real, last = _read_back_maps(responses, p_len, r_len, groups, T, pad_token_id)
+    return SharedPrefixLayout(
+        input_ids=ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        predict_index=predict_index,
+        labels=labels,
+        response_mask=real,
+        last_index=last,
+        logits_to_keep=groups.width - int(p_len.min()) + 1,
+    )
+
+
+def _restore_order(layout: SharedPrefixLayout, order: torch.Tensor) -> SharedPrefixLayout:
+    """``layout`` of the rows taken in ``order`` (N,), its read-back maps put back in the rows' own order."""
+    back = torch.argsort(order)  # row n of the input is row back[n] of the packed order
+    for name in ("predict_index", "labels", "response_mask", "last_index"):
+        setattr(layout, name, getattr(layout, name)[back])
+    return layout
+
+
+class _Groups(NamedTuple):
+    """The G runs of consecutive rows (of N) that share a prompt, and where each row's response goes."""
+
+    group: torch.Tensor  # (N,) long, the group of each row
+    first: torch.Tensor  # (G,) long, the first row of each group
+    start: torch.Tensor  # (N,) long, packed column of the row's first response token
+    width: int  # L', the longest packed row
+
+
+def _groups(prompts: torch.Tensor, p_len: torch.Tensor, r_len: torch.Tensor) -> _Groups:
+    """(N, Pm) compacted prompts, (N,) prompt and (N,) response lengths -> the :class:`_Groups`."""
     same = (p_len[1:] == p_len[:-1]) & (prompts[1:] == prompts[:-1]).all(1)  # (N-1,)
+    device = prompts.device
     new_group = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same])  # (N,)
     group = new_group.long().cumsum(0) - 1  # (N,)
     first = new_group.nonzero().squeeze(1)  # (G,) first row of each group
@@ -161,9 +198,22 @@ def pack_shared_prefix(
     before = r_len.cumsum(0) - r_len  # (N,) response tokens of all earlier rows
     start = p_len + before - before[first][group]  # (N,) packed column of the response's first token
     row_len = p_len[first] + torch.zeros(G, dtype=r_len.dtype, device=device).index_add(0, group, r_len)
-    width = int(row_len.max())
-    # 2. Packed ids, segment of every position (-1 padding, 0 prompt, n + 1 row n's response) and positions.
-    ids = torch.full((G, width), pad_token_id, dtype=input_ids.dtype, device=device)
+    return _Groups(group, first, start, int(row_len.max()))
+
+
+def _packed_rows(
+    prompts: torch.Tensor,
+    p_len: torch.Tensor,
+    responses: torch.Tensor,
+    r_len: torch.Tensor,
+    groups: _Groups,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, Pm) compacted prompts and (N, Tm) responses with their (N,) lengths -> the (G, L') packed ids,
+    segments (-1 padding, 0 prompt, n + 1 row n's response) and position ids."""
+    group, first, start, width = groups
+    G, device = first.shape[0], prompts.device
+    ids = torch.full((G, width), pad_token_id, dtype=prompts.dtype, device=device)
     segment = torch.full((G, width), -1, dtype=torch.long, device=device)
     positions = torch.zeros((G, width), dtype=torch.long, device=device)
     col = torch.arange(prompts.shape[1], device=device)
@@ -175,36 +225,52 @@ def pack_shared_prefix(
     ids[group[rows], start[rows] + t] = responses[rows, t]
     segment[group[rows], start[rows] + t] = rows + 1
     positions[group[rows], start[rows] + t] = p_len[rows] + t
-    # 3. Block mask: a real query attends to real keys at or before it that are the prompt or its own
-    #    segment; every query attends to itself (padding queries then give finite, unread outputs).
+    return ids, segment, positions
+
+
+def _block_mask(segment: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
+    """(G, L') segments -> (G, 1, L', L') mask: bool (True = attend), or additive (0 / dtype min) if float."""
+    width, device = segment.shape[1], segment.device
     q, k = segment[:, :, None], segment[:, None, :]  # (G, L', 1), (G, 1, L')
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     allowed = ((k == 0) | (k == q)) & (k >= 0) & (q >= 0) & causal
     allowed = (allowed | torch.eye(width, dtype=torch.bool, device=device))[:, None]  # (G, 1, L', L')
-    if mask_dtype != torch.bool:
-        allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill(
-            ~allowed, torch.finfo(mask_dtype).min
-        )
-    # 4. Read-back maps: response token t is predicted at the position before it (the prompt's last for t = 0).
-    T = int(r_len.max()) if response_width is None else response_width
-    t = torch.arange(T, device=device)  # (T,)
+    if mask_dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(mask_dtype).min
+    )
+
+
+def _read_back_maps(
+    responses: torch.Tensor,
+    p_len: torch.Tensor,
+    r_len: torch.Tensor,
+    groups: _Groups,
+    T: int,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's quantities are read back (flat indices into (G * L')).
+
+    Args:
+        responses: (N, Tm) compacted response ids; p_len, r_len: (N,) prompt and response lengths.
+        groups: the rows' :class:`_Groups`. T: the response width of the outputs.
+        pad_token_id: the label on padding.
+
+    Returns:
+        predict_index (N, T), labels (N, T), response_mask (N, T) bool and last_index (N,): the
+        :class:`SharedPrefixLayout` fields of these names.
+    """
+    group, _, start, width = groups
+    t = torch.arange(T, device=responses.device)  # (T,)
     last_prompt = (p_len - 1)[:, None]  # (N, 1)
     predict = torch.where(t == 0, last_prompt, start[:, None] + t - 1)  # (N, T)
     predict = torch.where(t < r_len[:, None].clamp(min=1), predict, last_prompt)
-    labels = torch.full((N, T), pad_token_id, dtype=input_ids.dtype, device=device)
+    labels = torch.full((responses.shape[0], T), pad_token_id, dtype=responses.dtype, device=responses.device)
     w = min(T, responses.shape[1])
     labels[:, :w] = responses[:, :w]
     last = torch.where(r_len > 0, start + r_len - 1, p_len - 1)  # (N,)
-    return SharedPrefixLayout(
-        input_ids=ids,
-        attention_mask=allowed,
-        position_ids=positions,
-        predict_index=group[:, None] * width + predict,
-        labels=labels,
-        response_mask=t < r_len[:, None],
-        last_index=group * width + last,
-        logits_to_keep=width - int(p_len.min()) + 1,
-    )
+    return group[:, None] * width + predict, labels, t < r_len[:, None], group * width + last
 
 
 def mask_dtype(model: nn.Module) -> torch.dtype | None:

@@ -132,33 +132,42 @@ class OnlineEvaluation(LightningModule):
         settings, greedy = self.eval_generation, self.evaluation.greedy
         # 1. Check and left-pad the prompts; K = the evaluation's num_samples copies of each.
         prompts, prompt_mask = self.expand_prompts(batch, settings.num_samples)
-        # 2. Generate on a forked, seeded RNG (sampled, or greedy with eval_greedy).
+        # 2. Generate on a forked, seeded RNG (sampled, or greedy with evaluation.greedy).
         with self.evaluation_rng(batch_idx, dataloader_idx):
-            responses, response_mask, truncated, *_ = self.generate(prompts, prompt_mask, settings, greedy)
+            out = self.generate(prompts, prompt_mask, settings, greedy)
+        responses, response_mask, truncated = out.ids, out.mask, out.truncated
+        loss_mask = response_mask if out.loss_mask is None else out.loss_mask & response_mask  # the policy's tokens
         input_ids = torch.cat([prompts, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
         T = responses.shape[1]
         batches = self.micro_batches(attention_mask, T)
-        # 3. Score as in training, the monitor on the side, and the KL to the reference (same estimator).
-        scores = self.adjust_scores(
-            self.rewards.score(input_ids, attention_mask, T, batches), truncated
-        )  # (B,)
+        # 3. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
+        #    are left out of the means), the monitor on the side, and the KL to the reference.
+        raw = self.rewards.score(input_ids, attention_mask, T, batches)  # (B,)
+        where = f"{stage} after rollout {self.rollouts_done}"
+        keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where)  # (B,)
+        scores = self.adjust_scores(raw, truncated)  # (B,)
         logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
         kl = F.kl_penalty(logprobs, ref_logprobs, self.kl.estimator)  # (B, T)
         metrics = {
-            "score": scores.mean(),
-            "kl_ref": F.masked_row_sum(kl, response_mask).mean(),
+            "score": torch.where(keep, scores, 0.0).sum() / keep.sum().clamp(min=1),  # the kept rows' mean
+            "kl_ref": F.masked_row_sum(kl, loss_mask).mean(),
             "response_length": response_mask.sum(1).float().mean(),
             "eos_rate": 1.0 - truncated.float().mean(),
-            "entropy": F.masked_mean(entropy, response_mask),
+            "entropy": F.masked_mean(entropy, loss_mask),
         }
+        sizes = {"score": int(keep.sum())}
         if self.monitor is not None:
-            metrics["monitor_score"] = self.monitor.score(input_ids, attention_mask, T, batches).mean()
+            monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
+            monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)
+            monitor = torch.where(monitor_keep, monitor, 0.0)  # (B,)
+            metrics["monitor_score"] = monitor.sum() / monitor_keep.sum().clamp(min=1)
+            sizes["monitor_score"] = int(monitor_keep.sum())
         # 4. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
         for name, value in metrics.items():
             self.log(
                 f"{stage}/{name}", value.float(), prog_bar=name in ("score", "kl_ref"),
-                batch_size=responses.shape[0], sync_dist=True, on_step=False, on_epoch=True,
+                batch_size=sizes.get(name, responses.shape[0]), sync_dist=True, on_step=False, on_epoch=True,
             )  # fmt: skip
         if batch_idx == 0 and dataloader_idx == 0:
             self._eval_samples = self.sample_rows(prompts, responses, response_mask, scores)

@@ -174,8 +174,10 @@ class RolloutScoring(LightningModule):
         attention_mask: torch.Tensor,
         T: int,
         counted: bool = True,
+        where: str | None = None,
     ) -> torch.Tensor:
-        """``guards.screen_scores`` under ``on_nonfinite``, decided the same on every rank: (B,) keep mask."""
+        """``guards.screen_scores`` under ``scoring.on_nonfinite``, decided the same on every rank: (B,) keep
+        mask. ``where`` names the rollout in messages (default ``rollout N``, the one being made)."""
         bad = ~torch.isfinite(scores)  # (B,)
         totals = self.trainer.strategy.reduce(  # non-finite and finite rows of every rank
             torch.stack([bad.sum(), (~bad).sum()]).float(), reduce_op="sum"
@@ -185,11 +187,11 @@ class RolloutScoring(LightningModule):
         if totals[0] == 0:
             return ~bad
         policy = self.scoring.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
-        rollout = self.rollouts_done + 1
+        rollout = where or self.rollouts_done + 1
         if not bad.any():
             if policy == "raise":
                 raise NonFiniteError(
-                    f"rollout {rollout}: {source.description} returned {int(totals[0])} non-finite scores on "
+                    f"{where or f'rollout {rollout}'}: {source.description} returned {int(totals[0])} non-finite scores on "
                     "another rank (its error names them); set on_nonfinite='drop' to drop such rows"
                 )
             return ~bad

@@ -73,7 +73,8 @@ def grpo_update(module: CriticFreeModule, data: Rollout) -> None:
 def rm_step(module: RewardModelModule, batch: dict[str, torch.Tensor]) -> None:
     from lit_rlhf.modules.reward_model import PairMetrics
 
-    module._step(batch, PairMetrics()).backward()
+    loss, _, _ = module._step(batch, PairMetrics())  # (loss, chosen scores, rejected scores)
+    loss.backward()
     module.zero_grad(set_to_none=True)
 
 
