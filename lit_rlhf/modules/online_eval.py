@@ -150,7 +150,7 @@ class OnlineEvaluation(LightningModule):
         logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
         kl = F.kl_penalty(logprobs, ref_logprobs, self.kl.estimator)  # (B, T)
         metrics = {
-            "score": torch.where(keep, scores, 0.0).sum() / keep.sum().clamp(min=1),  # the kept rows' mean
+            "score": kept_mean(scores, keep),
             "kl_ref": F.masked_row_sum(kl, loss_mask).mean(),
             "response_length": response_mask.sum(1).float().mean(),
             "eos_rate": 1.0 - truncated.float().mean(),
@@ -160,8 +160,7 @@ class OnlineEvaluation(LightningModule):
         if self.monitor is not None:
             monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)
-            monitor = torch.where(monitor_keep, monitor, 0.0)  # (B,)
-            metrics["monitor_score"] = monitor.sum() / monitor_keep.sum().clamp(min=1)
+            metrics["monitor_score"] = kept_mean(monitor, monitor_keep)
             sizes["monitor_score"] = int(monitor_keep.sum())
         # 4. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
         for name, value in metrics.items():
@@ -189,3 +188,9 @@ class OnlineEvaluation(LightningModule):
         step = max(self.rollouts_done - 1, 0) if fitting else logger_step(self.trainer)
         log_text_table(self, f"{stage}/samples", ["prompt", "response", "score"], rows, step=step)
 
+
+def kept_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The mean of the (B,) ``values`` where ``keep`` (0 when none is), NaN in dropped rows left out."""
+    if bool(keep.all()):
+        return values.mean()
+    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1)
