@@ -250,7 +250,7 @@ def _read_back_maps(
     T: int,
     pad_token_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each row's quantities are read back (flat indices into (G * L')).
+    """Where the N rows' per-token and last-token quantities are read back from the packed rows.
 
     Args:
         responses: (N, Tm) compacted response ids; p_len, r_len: (N,) prompt and response lengths.
@@ -258,8 +258,8 @@ def _read_back_maps(
         pad_token_id: the label on padding.
 
     Returns:
-        predict_index (N, T), labels (N, T), response_mask (N, T) bool and last_index (N,): the
-        :class:`SharedPrefixLayout` fields of these names.
+        predict_index (N, T) and last_index (N,) flat indices into (G * L'), labels (N, T) and
+        response_mask (N, T) bool: the :class:`SharedPrefixLayout` fields of these names.
     """
     group, _, start, width = groups
     t = torch.arange(T, device=responses.device)  # (T,)
