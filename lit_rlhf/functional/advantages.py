@@ -93,7 +93,11 @@ def _check_group_size(fn: str, group_size: int) -> None:
 
 
 def grpo_advantages(
-    scores: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor,
+    group_size: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages: (s_i - mean(group)) / (std(group) + eps).
 
@@ -108,12 +112,17 @@ def grpo_advantages(
         group_size: K >= 2.
         scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
         eps: added to the std (only with ``scale_by_std``).
+        keep: (B,) bool, the rows whose scores count (None = all): the group's mean and std are those of
+            its kept rows, as if the others had not been sampled; dropped rows, and groups with fewer
+            than 2 kept rows (no baseline), get 0.
 
     Returns:
         (B,) float32 (float64 kept) advantages.
     """
     fn = "grpo_advantages"
     _check_group_size(fn, group_size)
+    if keep is not None:
+        return _kept_group_advantages(scores, group_size, keep, "grpo" if scale_by_std else "mean", eps, fn)
     grouped = as_groups(scores, group_size, fn)  # (G, K)
     all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # (G, K)
@@ -123,7 +132,7 @@ def grpo_advantages(
     return torch.where(all_equal, 0.0, centered).flatten()  # (B,)
 
 
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo_advantages(scores: torch.Tensor, group_size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE Leave-One-Out: s_i minus the mean of the other K - 1 scores of its group.
 
     (Ahmadian et al. 2024, arXiv 2402.14740, the RLOO estimator; Kool et al. 2019.) The baseline of each
@@ -133,12 +142,16 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     Args:
         scores: (B,) sequence scores, B = G * K, each prompt's K responses contiguous.
         group_size: K >= 2.
+        keep: (B,) bool, the rows whose scores count (None = all): the baseline is the mean of the other
+            kept rows of the group; dropped rows, and groups with fewer than 2 kept rows, get 0.
 
     Returns:
         (B,) float32 (float64 kept) advantages.
     """
     fn = "rloo_advantages"
     _check_group_size(fn, group_size)
+    if keep is not None:
+        return _kept_group_advantages(scores, group_size, keep, "rloo", 0.0, fn)
     grouped = as_groups(scores, group_size, fn)  # (G, K)
     all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (G, 1)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # (G, K)
@@ -148,7 +161,9 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 # the names live in functional.registry (SEQUENCE_ESTIMATORS, GROUP_ESTIMATORS: baseline from the group, K >= 2)
 
 
-def sequence_advantages(scores: torch.Tensor, estimator: str, group_size: int) -> torch.Tensor:
+def sequence_advantages(
+    scores: torch.Tensor, estimator: str, group_size: int, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B,) sequence scores -> (B,) per-sequence advantages of a critic-free estimator.
 
     ``grpo`` / ``dr_grpo``: :func:`grpo_advantages` with / without the std division; ``rloo``:
@@ -160,19 +175,46 @@ def sequence_advantages(scores: torch.Tensor, estimator: str, group_size: int) -
         scores: (B,) sequence scores, B = G * K, each prompt's K responses contiguous.
         estimator: one of ``SEQUENCE_ESTIMATORS``.
         group_size: K (>= 2 for the ``GROUP_ESTIMATORS``).
+        keep: (B,) bool, the rows whose scores count (None = all; see :func:`grpo_advantages`); a dropped
+            row's advantage is 0.
 
     Returns:
         (B,) advantages.
     """
     if estimator in ("grpo", "dr_grpo"):
-        return grpo_advantages(scores, group_size, scale_by_std=estimator == "grpo")  # (B,)
+        return grpo_advantages(scores, group_size, scale_by_std=estimator == "grpo", keep=keep)  # (B,)
     if estimator == "rloo":
-        return rloo_advantages(scores, group_size)  # (B,)
+        return rloo_advantages(scores, group_size, keep=keep)  # (B,)
     if estimator == "reinforce_pp_baseline":
-        return grpo_advantages(scores, group_size, scale_by_std=False)  # (B,)
+        return grpo_advantages(scores, group_size, scale_by_std=False, keep=keep)  # (B,)
     if estimator == "reinforce_pp":
-        return scores  # (B,)
+        return scores if keep is None else torch.where(keep, scores, 0.0)  # (B,)
     raise ValueError(f"sequence_advantages: `estimator` must be one of {SEQUENCE_ESTIMATORS}, got {estimator!r}")
+
+
+def _kept_group_advantages(
+    scores: torch.Tensor, group_size: int, keep: torch.Tensor, baseline: str, eps: float, fn: str
+) -> torch.Tensor:
+    """Group baselines over the kept rows only (``baseline``: ``mean``, ``grpo`` mean and std, ``rloo``
+    leave-one-out mean); 0 for dropped rows, groups of fewer than 2 kept rows and all-equal kept scores."""
+    grouped = as_groups(scores, group_size, fn)  # (G, K)
+    kept = as_groups(keep, group_size, fn).bool()  # (G, K)
+    n = kept.sum(dim=1, keepdim=True)  # (G, 1) kept rows per group
+    values = torch.where(kept, grouped, 0.0)  # (G, K) NaN of dropped rows gone
+    total = values.sum(dim=1, keepdim=True)  # (G, 1)
+    mean = total / n.clamp(min=1)  # (G, 1)
+    if baseline == "rloo":
+        advantages = values - (total - values) / (n - 1).clamp(min=1)  # (G, K) minus the other kept rows' mean
+    else:
+        advantages = values - mean  # (G, K)
+        if baseline == "grpo":
+            var = torch.where(kept, advantages, 0.0).pow(2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+            advantages = advantages / (var.sqrt() + eps)  # (G, K)
+    spread = torch.where(kept, grouped, -torch.inf).amax(1, keepdim=True) - torch.where(kept, grouped, torch.inf).amin(
+        1, keepdim=True
+    )  # (G, 1)
+    signal = kept & (n >= 2) & (spread > 0)  # (G, K)
+    return torch.where(signal, advantages, 0.0).flatten()  # (B,)
 
 
 def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -101,7 +101,7 @@ class CriticFreeModule(OnlineRLModule):
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, policy=not on_policy)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated)
         # 3. Advantages of the chosen estimator, per token.
-        advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, mask)
+        advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, mask, keep)
         rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, advantages, scores)
         # 4. update.epochs passes of the clipped surrogate over shuffled minibatches (of whole groups when
         #    the shared-prompt layout packs them); an on-policy step records the old log-probs.
@@ -124,9 +124,17 @@ class CriticFreeModule(OnlineRLModule):
         self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
 
     def estimate_advantages(
-        self, scores: torch.Tensor, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor, mask: torch.Tensor
+        self,
+        scores: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B,) scores -> (B, T) advantages over the learned tokens (``mask``).
+
+        ``keep`` (B,) marks the rows whose scores count (``scoring.on_nonfinite: drop``): the group
+        baselines and the REINFORCE++ whitening see only those rows, as if the others had not been sampled.
 
         The estimator's per-sequence value goes to the last learned token, the KL penalty (``kl.coef``) to
         every learned token; the discounted returns of these rewards are the advantages, whitened over the
@@ -134,7 +142,8 @@ class CriticFreeModule(OnlineRLModule):
         computes them): the reward holds no KL term (``kl.coef`` is 0 then).
         """
         estimator = self.advantage.estimator
-        sequence_advantages = F.sequence_advantages(scores, estimator, self.num_samples)  # (B,)
+        keep = None if keep is None or bool(keep.all()) else keep  # (B,) or None: every row counts
+        sequence_advantages = F.sequence_advantages(scores, estimator, self.num_samples, keep)  # (B,)
         logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # None: a zero KL term
         rewards, _ = F.kl_shaped_rewards(
             sequence_advantages, logprobs, ref_logprobs, mask, self.kl_ctl.value, self.kl.estimator
@@ -144,7 +153,8 @@ class CriticFreeModule(OnlineRLModule):
             {"advantages_mean": F.masked_mean(advantages, mask), "advantages_std": F.masked_var(advantages, mask).sqrt()}
         )
         if F.ADVANTAGE_ESTIMATORS[estimator].whiten_returns:
-            advantages = self.whiten(advantages, mask)  # (B, T)
+            kept = mask if keep is None else mask & keep[:, None]  # (B, T)
+            advantages = self.whiten(advantages, kept)  # (B, T)
         return advantages
 
     def policy_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

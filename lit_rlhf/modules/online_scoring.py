@@ -152,8 +152,9 @@ class RolloutScoring(LightningModule):
         ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
         prompt/response; under ``"drop"`` such rows are False in the mask (the caller gives them no
         gradient with :meth:`drop_rows`), their scores are replaced by the mean of the kept scores of
-        their group (of the rollout when K = 1 or the whole group is dropped), so group baselines see only
-        kept scores, and ``rollout/nonfinite_scores`` counts them over all ranks. The monitor is only
+        their group (of the rollout when K = 1 or the whole group is dropped) so that every statistic stays
+        finite, the estimators are given the mask (their baselines and whitening use the kept rows only),
+        and ``rollout/nonfinite_scores`` counts them over all ranks. The monitor is only
         logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
         """
         batches = self.micro_batches(attention_mask, T)

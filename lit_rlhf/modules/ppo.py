@@ -110,8 +110,8 @@ class PPOModule(OnlineRLModule):
         advantages, returns = F.compute_gae(rewards, old_values, mask, advantage.gamma, advantage.gae_lambda)
         self.log_rollout_stats(sample, scores, F.masked_row_sum(rewards, mask), kl, entropy, old_logprobs)
         self.log_critic_stats(old_values, advantages, returns, mask)
-        if advantage.whiten:
-            advantages = self.whiten(advantages, mask)
+        if advantage.whiten:  # over the kept rows (scoring.on_nonfinite: drop)
+            advantages = self.whiten(advantages, mask if bool(keep.all()) else mask & keep[:, None])
         rollout = self.build_rollout(
             sample, old_logprobs, ref_logprobs, advantages, scores, old_values=old_values, rewards=rewards, returns=returns
         )
