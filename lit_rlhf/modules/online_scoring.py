@@ -50,10 +50,15 @@ class RolloutScoring(LightningModule):
         )  # fmt: skip
 
     def packs_groups(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> bool:
-        """Whether the update should keep each prompt's K rows together (the shared-prompt layout packs
-        a micro-batch of ``forward_batch_size`` rollout rows)."""
+        """Whether the update should keep each prompt's K rows together: the shared-prompt layout packs a
+        micro-batch of ``forward_batch_size`` rollout rows, and the rollout has at least
+        ``update.num_minibatches`` groups to split (else its rows are shuffled one by one, as unpacked: a
+        layout that pays must never make a valid configuration fail)."""
+        groups = input_ids.shape[0] // self.num_samples
+        if self.num_samples < 2 or groups < self.update.num_minibatches:
+            return False
         rows = slice(0, self.scoring.forward_batch_size)
-        return self.num_samples > 1 and self.shared_prefix_layout(input_ids[rows], attention_mask[rows], T) is not None
+        return self.shared_prefix_layout(input_ids[rows], attention_mask[rows], T) is not None
 
     def actor_forward(
         self,
