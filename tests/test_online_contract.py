@@ -14,7 +14,7 @@ import inspect
 import pytest
 import torch
 from conftest import gpt2_config
-from ppo_helpers import adamw, prompt_loader, tiny_critic_free, trainer
+from ppo_helpers import prompt_loader, tiny_critic_free, trainer
 
 from lit_rlhf import functional as F
 from lit_rlhf.engines import HFEngine, Responses, RolloutEngine, build_engine, engine_hparams
