@@ -77,7 +77,7 @@ def screen_scores(
     raise NonFiniteError(
         f"{rollout if isinstance(rollout, str) else f'rollout {rollout}'}: {source} returned non-finite scores for {what} (rows {rows[:8]}"
         f"{'...' if len(rows) > 8 else ''}); first: row {first}, score {value}, prompt {_quote(prompts[first])},"
-        f" response {_quote(responses[first])}. Fix the scorer, or set on_nonfinite='drop' to drop such rows"
+        f" response {_quote(responses[first])}. Fix the scorer, or set scoring.on_nonfinite='drop' to drop such rows"
     )
 
 

@@ -198,7 +198,7 @@ class RolloutScoring(LightningModule):
             if policy == "raise":
                 raise NonFiniteError(
                     f"{where or f'rollout {rollout}'}: {source.description} returned {int(totals[0])} non-finite scores on "
-                    "another rank (its error names them); set on_nonfinite='drop' to drop such rows"
+                    "another rank (its error names them); set scoring.on_nonfinite='drop' to drop such rows"
                 )
             return ~bad
         prompts = self.tokenizer.batch_decode(input_ids[:, :-T], skip_special_tokens=True)
