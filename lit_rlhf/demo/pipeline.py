@@ -95,6 +95,17 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def parse_threads(text: str) -> int:
+    """``--threads``: a positive number of torch CPU threads (torch itself fails on 0 with a traceback)."""
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads: a positive whole number, got {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"--threads: at least 1 thread, got {threads}")
+    return threads
+
+
 def parse_algorithms(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALGORITHMS]
@@ -295,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         default=True,
         help="also run the weak-RM, weak-KL over-optimisation demo (default: on)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=parse_threads, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
     args = parser.parse_args(argv)
     if args.threads is not None:
