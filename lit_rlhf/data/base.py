@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -238,7 +239,13 @@ class RLHFDataModule(LightningDataModule):
     @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
-            return []  # Lightning skips validation on an empty list
+            if self.trainer is not None and self.trainer.state.fn == TrainerFn.VALIDATING:
+                raise ValueError(
+                    f"{type(self).__name__}: validation needs held-out rows: set `val_path` (a source like"
+                    " `train_path`, e.g. --data.init_args.val_path=data/tiny/prompts_val.jsonl) or `val_fraction`"
+                    f" > 0 to carve them from `train_path` (got val_path=None, val_fraction={self.hparams.val_fraction})"
+                )
+            return []  # fit without validation rows: Lightning skips validation on an empty list
         hp = self.hparams
         return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
 
