@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import logging
 import os
 import re
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -180,8 +180,6 @@ def config_folders() -> list[Path]:
 
 def config_writing(folder: str) -> Path | None:
     """The shipped config whose ``HFExport`` writes ``folder`` (top-level configs first), or None."""
-    import yaml
-
     target = os.path.normpath(folder)
     for root in config_folders():
         for path in sorted(root.rglob("*.yaml"), key=lambda p: (len(p.relative_to(root).parts), str(p))):
@@ -421,9 +419,9 @@ class LitRLHFCLI(LightningCLI):
             # the whole command line again, the checkpoint's model between the config files and the --model
             # options (so those win); re-parsing only the options over the parsed namespace fails on Optional
             # dataclass arguments (jsonargparse: "Not a valid subclass of ModelSpec")
-            try:
-                encoded = json.dumps(model)
-            except (TypeError, ValueError):
+            try:  # YAML, as jsonargparse reads option values (JSON has no inf/nan)
+                encoded = yaml.safe_dump(model, default_flow_style=True, width=2**31).strip()
+            except yaml.YAMLError:
                 encoded = None
             if encoded is not None:
                 self.config = self.parser.parse_args([*others, f"--model={encoded}", *flags])
