@@ -120,8 +120,9 @@ class CheckpointFolderCheck(Callback):
     """At the start of ``fit``, check that every ``ModelCheckpoint`` folder can be written (or created).
 
     ``ModelCheckpoint`` creates its ``dirpath`` only when it first saves, so a folder under a file or
-    without write permission would otherwise fail after the first epoch or validation. ``lit-rlhf fit``
-    adds this callback; with a plain ``Trainer`` add it to ``callbacks``.
+    without write permission would otherwise fail after the first epoch or validation (the folder of a
+    :class:`SigtermCheckpoint` too: it would fail when the job is pre-empted). ``lit-rlhf fit`` adds this
+    callback; with a plain ``Trainer`` add it to ``callbacks``.
     """
 
     @override
@@ -130,6 +131,10 @@ class CheckpointFolderCheck(Callback):
             dirpath = getattr(callback, "dirpath", None)
             if dirpath is not None:
                 check_output_folder(dirpath, f"{type(callback).__name__} dirpath")
+        for callback in trainer.callbacks:
+            if isinstance(callback, SigtermCheckpoint):  # its file goes to a folder of its own choosing
+                folder = os.path.dirname(callback.checkpoint_path(trainer))
+                check_output_folder(folder, "SigtermCheckpoint dirpath")
 
 
 class SigtermCheckpoint(Callback):
@@ -201,6 +206,13 @@ class PeakMemory(Callback):
         self.output = output
         self.start_rss_mb: float | None = None
         self.reset_ok = False
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.output is not None:  # written at the end of training: check its folder before
+            if os.path.isdir(self.output):
+                raise IsADirectoryError(f"PeakMemory output: {os.path.abspath(self.output)} is a folder, not a file")
+            check_output_folder(Path(self.output).parent, "PeakMemory output")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -9,7 +9,13 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lit_rlhf.callbacks import CheckpointFolderCheck, HFExport, check_output_folder
+from lit_rlhf.callbacks import (
+    CheckpointFolderCheck,
+    HFExport,
+    PeakMemory,
+    SigtermCheckpoint,
+    check_output_folder,
+)
 
 
 class CountSteps(Callback):
@@ -56,6 +62,18 @@ def test_checkpoint_folder_that_cannot_be_created_is_refused_before_the_first_st
     # a good folder passes (and is created by ModelCheckpoint itself, as before)
     fit(tmp_path, ModelCheckpoint(dirpath=tmp_path / "ok" / "checkpoints"), CheckpointFolderCheck())
     assert any((tmp_path / "ok" / "checkpoints").iterdir())
+
+
+def test_sigterm_and_peak_memory_destinations_are_checked_before_the_first_step(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    counter = CountSteps()
+    with pytest.raises(NotADirectoryError, match="SigtermCheckpoint dirpath: .*blocker is a file"):
+        fit(tmp_path, SigtermCheckpoint(dirpath=str(tmp_path / "blocker" / "sig")), CheckpointFolderCheck(), counter)
+    with pytest.raises(FileExistsError, match="PeakMemory output: .*blocker is an existing file, not a folder"):
+        fit(tmp_path, PeakMemory(output=str(tmp_path / "blocker" / "peak.json")), counter)
+    with pytest.raises(IsADirectoryError, match="PeakMemory output: .* is a folder"):
+        fit(tmp_path, PeakMemory(output=str(tmp_path)), counter)
+    assert counter.steps == 0
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
