@@ -25,8 +25,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def lit_rlhf(workdir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **env}
-    environ.pop("LIT_RLHF_DEBUG", None) if "LIT_RLHF_DEBUG" not in env else None
+    environ = {k: v for k, v in os.environ.items() if k != "LIT_RLHF_DEBUG"}
+    environ.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **env)
     return subprocess.run([sys.executable, "-m", "lit_rlhf.cli", *args], cwd=workdir, env=environ,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
