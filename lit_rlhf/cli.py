@@ -179,7 +179,8 @@ def config_folders() -> list[Path]:
 
 
 def config_writing(folder: str) -> Path | None:
-    """The shipped config whose ``HFExport`` writes ``folder`` (top-level configs first), or None."""
+    """The shipped config whose ``HFExport`` writes ``folder`` or a folder holding it (top-level configs
+    first), or None."""
     target = os.path.normpath(folder)
     for root in config_folders():
         for path in sorted(root.rglob("*.yaml"), key=lambda p: (len(p.relative_to(root).parts), str(p))):
@@ -192,8 +193,9 @@ def config_writing(folder: str) -> Path | None:
                 if not isinstance(entry, Mapping) or not str(entry.get("class_path", "")).endswith("HFExport"):
                     continue
                 dirpath = (entry.get("init_args") or {}).get("dirpath")
-                if dirpath is not None and os.path.normpath(str(dirpath)) == target:
-                    return path
+                written = os.path.normpath(str(dirpath)) if dirpath is not None else None
+                if written is not None and (target == written or target.startswith(written + os.sep)):
+                    return path  # the folder itself or one inside it (PPO's export/actor)
     return None
 
 

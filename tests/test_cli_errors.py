@@ -136,3 +136,20 @@ def test_errors_from_steps_keep_their_traceback():
         except ValueError as err:
             assert project_error(err) is None, "raised outside lit_rlhf: not the project's message"
             assert in_setup_hook(err) is one_line
+
+
+def test_the_config_writing_a_missing_folder_is_found_in_the_working_directory_and_the_checkout(tmp_path, monkeypatch):
+    from lit_rlhf.cli import config_writing, missing_folder_hints
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/mine.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: lit_rlhf.callbacks.HFExport\n      init_args: {dirpath: out/mine}\n"
+    )
+    assert config_writing("out/mine") == tmp_path / "configs/mine.yaml"
+    assert config_writing("runs/ppo_tiny/export/actor") == ROOT / "configs/ppo_tiny.yaml"  # inside an export
+    assert config_writing("out/other") is None
+    hint = missing_folder_hints("could not load a tokenizer from 'out/mine': no such folder")
+    assert hint == " (out/mine is written by the HFExport of configs/mine.yaml: run `lit-rlhf fit --config configs/mine.yaml` first)"
+    (tmp_path / "out/mine").mkdir(parents=True)
+    assert missing_folder_hints("from 'out/mine'") == "", "an existing folder needs no hint"
