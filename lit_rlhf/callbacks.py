@@ -23,6 +23,30 @@ EXPORT_MARKER = "lit_rlhf_export.json"
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
+def check_output_folder(path: str | os.PathLike, setting: str) -> None:
+    """Raise when ``path`` is not, and cannot become, a folder this process can write into.
+
+    Nothing is created: an existing folder must be writable; a missing one needs its nearest existing
+    ancestor to be a writable folder. ``setting`` names where the path was given (e.g. "HFExport dirpath")
+    in the message. Remote paths (``s3://...``) are left to their filesystem.
+    """
+    if "://" in str(path):
+        return
+    folder = Path(path).expanduser().absolute()
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(
+            f"{setting}: {folder} is an existing file, not a folder; choose another path or remove the file"
+        )
+    ancestor = folder
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{setting}: {folder} cannot be created: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        what = "written into" if ancestor == folder else f"created (no write permission on {ancestor})"
+        raise PermissionError(f"{setting}: {folder} cannot be {what}")
+
+
 class HFExport(Callback):
     """At the end of ``fit``, write the module's trained model(s) with ``save_pretrained`` to ``dirpath``.
 
@@ -60,7 +84,9 @@ class HFExport(Callback):
         self.run_id = state_dict.get("run_id", self.run_id)
 
     def check_destination(self) -> None:
-        """Raise ``FileExistsError`` when ``dirpath`` holds files that this run did not write (and not ``overwrite``)."""
+        """Raise when ``dirpath`` cannot be written (an existing file, an uncreatable or read-only folder),
+        or ``FileExistsError`` when it holds files that this run did not write (and not ``overwrite``)."""
+        check_output_folder(self.dirpath, "HFExport dirpath")
         folder = Path(self.dirpath)
         if self.overwrite or not folder.is_dir() or not any(folder.iterdir()):
             return
@@ -88,6 +114,27 @@ class HFExport(Callback):
         if trainer.is_global_zero:
             (Path(self.dirpath) / EXPORT_MARKER).write_text(json.dumps({"run_id": self.run_id}) + "\n")
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")
+
+
+class CheckpointFolderCheck(Callback):
+    """At the start of ``fit``, check that every ``ModelCheckpoint`` folder can be written (or created).
+
+    ``ModelCheckpoint`` creates its ``dirpath`` only when it first saves, so a folder under a file or
+    without write permission would otherwise fail after the first epoch or validation (the folder of a
+    :class:`SigtermCheckpoint` too: it would fail when the job is pre-empted). ``lit-rlhf fit`` adds this
+    callback; with a plain ``Trainer`` add it to ``callbacks``.
+    """
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                check_output_folder(dirpath, f"{type(callback).__name__} dirpath")
+        for callback in trainer.callbacks:
+            if isinstance(callback, SigtermCheckpoint):  # its file goes to a folder of its own choosing
+                folder = os.path.dirname(callback.checkpoint_path(trainer))
+                check_output_folder(folder, "SigtermCheckpoint dirpath")
 
 
 class SigtermCheckpoint(Callback):
@@ -159,6 +206,13 @@ class PeakMemory(Callback):
         self.output = output
         self.start_rss_mb: float | None = None
         self.reset_ok = False
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.output is not None:  # written at the end of training: check its folder before
+            if os.path.isdir(self.output):
+                raise IsADirectoryError(f"PeakMemory output: {os.path.abspath(self.output)} is a folder, not a file")
+            check_output_folder(Path(self.output).parent, "PeakMemory output")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

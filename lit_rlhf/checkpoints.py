@@ -54,14 +54,15 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any] | None:
     """Load a Lightning checkpoint file (weights only, on CPU) or raise :class:`CheckpointFileError`.
 
     A folder (a sharded FSDP checkpoint) is left to the strategy: returns None. Missing, empty, truncated,
-    random-bytes and non-Lightning files are refused with what is wrong with them.
+    random-bytes and non-Lightning files are refused with what is wrong with them. The tensors are
+    memory-mapped, not read: checking a large checkpoint (on every rank) costs next to no memory.
     """
     path = str(path)
     if os.path.isdir(path):
         return None
     check_checkpoint_file(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a damaged archive member, or objects a weights-only load refuses
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointFileError(path, f"cannot be loaded ({type(err).__name__}: {first})") from err

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_rlhf.callbacks import EXPORT_MARKER, SIGTERM_EXIT_CODE
 from lit_rlhf.cli import model_flags
@@ -158,10 +160,12 @@ def test_command_line_model_option_wins_over_the_checkpoint_at_resume(uninterrup
     assert cli.model.hparams.center_rewards_coef == 0.0
 
 
-def ppo_fit(tokenizer_dir: str, prompt_file: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+def ppo_fit(tokenizer_dir: str, prompt_file: Path, cwd: Path, *extra: str, config: str = "ppo_tiny",
+            subcommand: str = "fit") -> subprocess.CompletedProcess:  # fmt: skip
+    """``lit-rlhf fit --config configs/<config>.yaml`` (PPO or GRPO) with a tiny inline actor and a rule reward."""
     actor = {"config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}, "tokenizer": tokenizer_dir}
     cmd = [
-        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(ROOT / "configs/ppo_tiny.yaml"),
+        sys.executable, "-m", "lit_rlhf.cli", subcommand, "--config", str(ROOT / f"configs/{config}.yaml"),
         "--model.init_args.actor=null", f"--model.init_args.actor={json.dumps(actor)}",
         "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:the_count",
         "--model.init_args.max_rollouts=4", "--model.init_args.generation.max_new_tokens=6",
@@ -216,3 +220,172 @@ def test_checked_checkpoint_io_names_the_file_for_plain_trainer_fit(content, pro
     )  # fmt: skip
     trainer.fit(BoringModel(), ckpt_path=tmp_path / "good.ckpt")
     assert trainer.global_step == 2
+
+
+# --------------------------------------------------------------------------------------- resume checks
+def write_prompts(path: Path, n: int = 16) -> Path:
+    from conftest import make_corpus
+
+    path.write_text("".join(json.dumps({"prompt": " ".join(t.split()[:3])}) + "\n" for t in make_corpus(n, seed=5)))
+    return path
+
+
+GRPO_CHECKPOINTS = ("--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath=runs/grpo_tiny/checkpoints",
+                    "--trainer.callbacks.save_last=true")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def online_checkpoints(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """last.ckpt of a one-rollout PPO fit (K = 1) and of a one-rollout GRPO fit (K = 4)."""
+    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+    out = {}
+    for name, extra in (("ppo", ()), ("grpo", GRPO_CHECKPOINTS)):
+        cwd = tmp_path_factory.mktemp(f"{name}_one_rollout")
+        proc = ppo_fit(tokenizer_dir, prompts, cwd, "--model.init_args.max_rollouts=1", "--trainer.logger=false",
+                       *extra, config=f"{name}_tiny")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = cwd / f"runs/{name}_tiny/checkpoints/last.ckpt"
+        out[f"{name}_prompts"] = prompts
+    return out
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_online_resume_takes_a_command_line_model_option(name, online_checkpoints, tokenizer_dir, tmp_path):
+    # was: exit 2, 'Parser key "reward_model": ... Not a valid subclass of ModelSpec'
+    ckpt = online_checkpoints[name]
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["max_rollouts"] == 1
+    extra = GRPO_CHECKPOINTS if name == "grpo" else ()
+    proc = ppo_fit(tokenizer_dir, online_checkpoints[f"{name}_prompts"], tmp_path, f"--ckpt_path={ckpt}",
+                   "--model.init_args.max_rollouts=2", "--trainer.logger=false", *extra, config=f"{name}_tiny")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = torch.load(tmp_path / f"runs/{name}_tiny/checkpoints/last.ckpt", weights_only=True)
+    assert resumed["online_state"]["rollouts_done"] == 2, "one more rollout, up to the command line's limit"
+    assert resumed["hyper_parameters"]["max_rollouts"] == 2
+
+
+def test_resume_that_changes_k_is_refused_with_a_message_about_k(online_checkpoints, tokenizer_dir, tmp_path):
+    ckpt = online_checkpoints["grpo"]
+    proc = ppo_fit(tokenizer_dir, online_checkpoints["grpo_prompts"], tmp_path, f"--ckpt_path={ckpt}",
+                   "--model.init_args.generation.num_samples=2", "--trainer.logger=false", config="grpo_tiny")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "generation.num_samples cannot change on resume: the checkpoint has 4, this run 2" in proc.stderr
+    assert f"checkpoint {ckpt}" in proc.stderr and "Parser key" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists(), "nothing ran"
+
+
+def strip_class_path(ckpt: Path, out: Path) -> Path:
+    """The checkpoint as a plain ``Trainer`` (not the CLI) writes it: no ``_class_path`` in its hyper-parameters."""
+    state = torch.load(ckpt, weights_only=True)
+    state["hyper_parameters"].pop("_class_path")
+    state["hyper_parameters"].pop("_instantiator", None)
+    torch.save(state, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "subcommand, config, source, written_by, expected, class_path",
+    [
+        ("validate", "dpo_tiny", "grpo", "CriticFreeModule", "DPOModule", "kept"),
+        ("validate", "dpo_tiny", "grpo", "CriticFreeModule", "DPOModule", "stripped"),
+        ("fit", "grpo_tiny", "ppo", "PPOModule", "CriticFreeModule", "kept"),
+        ("fit", "ppo_tiny", "grpo", "CriticFreeModule", "PPOModule", "stripped"),
+    ],
+)
+def test_checkpoint_of_another_module_class_is_refused(
+    subcommand, config, source, written_by, expected, class_path, online_checkpoints, tokenizer_dir, tmp_path
+):
+    # was: validate exits 0 (the checkpoint's class silently replaced the config's), or KeyError 'response_mask'
+    ckpt = online_checkpoints[source]
+    if class_path == "stripped":
+        ckpt = strip_class_path(ckpt, tmp_path / "plain.ckpt")
+    cmd = [sys.executable, "-m", "lit_rlhf.cli", subcommand, "--config", str(ROOT / f"configs/{config}.yaml"),
+           f"--ckpt_path={ckpt}", "--trainer.logger=false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert f"checkpoint {ckpt}" in line and written_by in line and expected in line, line
+    assert "Traceback" not in proc.stderr
+
+
+def test_rm_checkpoint_is_refused_by_the_sft_config(uninterrupted, tmp_path):
+    ckpt = uninterrupted / "runs/rm_tiny/checkpoints/last.ckpt"
+    for path in (ckpt, strip_class_path(ckpt, tmp_path / "plain.ckpt")):
+        cmd = [sys.executable, "-m", "lit_rlhf.cli", "validate", "--config", str(ROOT / "configs/sft_tiny.yaml"),
+               f"--ckpt_path={path}"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "RewardModelModule" in proc.stderr and "SFTModule" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"", "the file is empty"),
+        ("truncated", "truncated: a zip archive without its end"),
+        (b"\x93NUMPY" + bytes(range(200)), "not a PyTorch checkpoint"),
+    ],
+    ids=["empty", "truncated", "random"],
+)
+def test_damaged_last_checkpoint_is_named(content, problem, tiny_data_dir, tmp_path):
+    # was: torch's zip-reader error, a bare EOFError, or advice to reload with weights_only=False
+    path = tmp_path / "runs/rm_tiny/checkpoints/last.ckpt"
+    path.parent.mkdir(parents=True)
+    if content == "truncated":
+        torch.save({"state_dict": {"w": torch.ones(4096)}}, path)
+        path.write_bytes(path.read_bytes()[:5000])
+    else:
+        path.write_bytes(content)
+    proc = rm_fit(tiny_data_dir, tmp_path, "--ckpt_path=last")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"error: --ckpt_path last: checkpoint {path}: {problem}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs/rm_tiny/export").exists()
+
+
+def test_last_is_the_newest_last_checkpoint_as_lightning_resolves_it(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_rlhf.cli import find_last_checkpoint
+
+    folder = tmp_path / "ckpt"
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[ModelCheckpoint(folder, save_last=True)])  # fmt: skip
+    assert find_last_checkpoint(trainer) is None
+    trainer.fit(BoringModel())
+    assert find_last_checkpoint(trainer) == str(folder / "last.ckpt")
+    newer = folder / "last-sigterm.ckpt"
+    newer.write_bytes(b"")
+    os.utime(newer, (os.path.getmtime(folder / "last.ckpt") + 10,) * 2)
+    assert find_last_checkpoint(trainer) == str(newer)
+    assert trainer._checkpoint_connector._parse_ckpt_path(trainer.state.fn, "last", True, True) == str(newer)
+
+
+def test_checkpoint_without_class_path_is_compared_by_its_weights(tokenizer_dir):
+    from lit_rlhf.cli import CheckpointInfo
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.modules import DPOModule
+
+    spec = ModelSpec(config={"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2}, tokenizer=tokenizer_dir)
+    dpo = DPOModule(spec, num_samples=0)
+    # an SFT checkpoint: its hyper-parameters are all DPO arguments, its metric states are not DPO's
+    sft = CheckpointInfo("sft.ckpt", {"model": {}, "num_samples": 2, "bucketing": None}, {"model", "train_nll"})
+    problem = sft.class_problem(DPOModule, dpo)
+    assert "weights under ['train_nll']" in problem and "DPOModule" in problem and "SFTModule" in problem
+    assert CheckpointInfo("dpo.ckpt", {"model": {}, "beta": 0.2}, {"model"}).class_problem(DPOModule, dpo) is None
+
+
+def test_fixed_hyper_parameters_are_compared_generically():
+    from lightning.pytorch import LightningModule
+
+    from lit_rlhf.cli import CheckpointInfo
+
+    class Online(LightningModule):
+        fixed_on_resume = ("update.groups",)
+
+        def __init__(self, generation: dict, update: dict, max_rollouts: int) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    saved = CheckpointInfo("x.ckpt", {"generation": {"num_samples": 4}, "update": {"groups": 2}, "max_rollouts": 3}, set())
+    assert saved.changed_fixed_hparams(Online({"num_samples": 4}, {"groups": 2}, 12)) == []
+    changed = saved.changed_fixed_hparams(Online({"num_samples": 8}, {"groups": 1}, 3))
+    assert changed[0].startswith("generation.num_samples cannot change on resume: the checkpoint has 4, this run 8")
+    assert changed[1] == "update.groups cannot change on resume: the checkpoint has 2, this run 1"

@@ -95,3 +95,20 @@ def test_chosen_equal_to_rejected_is_refused_in_every_format(row, fmt, tokenizer
     path.write_bytes(lines([good, good, row]))
     with pytest.raises(DataFormatError, match=r"row 2 \(0-based\), field 'rejected': identical to chosen"):
         prefs(tokenizer_dir, path, format=fmt).setup()
+
+
+@pytest.mark.parametrize("kind", ["prompt", "preference", "sft"])
+def test_validate_without_a_validation_split_names_val_path_and_val_fraction(kind, tokenizer_dir, tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_rlhf.data import SFTDataModule
+
+    path = tmp_path / "rows.jsonl"
+    row = {"prompt": {"prompt": "the food"}, "preference": PAIR, "sft": {"prompt": "the", "completion": " food"}}[kind]
+    path.write_bytes(lines([row] * 8))
+    cls = {"prompt": PromptDataModule, "preference": PreferenceDataModule, "sft": SFTDataModule}[kind]
+    data = cls(tokenizer_dir, str(path), val_fraction=0.0, batch_size=2)
+    trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"validation needs held-out rows: set `val_path`.*`val_fraction` > 0"):
+        trainer.validate(BoringModel(), data)

@@ -235,6 +235,7 @@ def test_length_policies_and_counts(policy, tokenizer, tokenizer_dir, tmp_path):
         "rows": 3,
         "truncated": over * (policy == "truncate"),
         "dropped": over * (policy == "drop"),
+        "identical": 0,
     }
     assert any(
         f"{over * (policy == 'truncate')} truncated, {over * (policy == 'drop')} dropped" in m for m in seen
@@ -248,6 +249,48 @@ def test_length_policies_and_counts(policy, tokenizer, tokenizer_dir, tmp_path):
     budget = 8 - len(ids("the"))
     assert second["chosen_input_ids"] == ids(long_answer)[:budget]  # the START of the response, no EOS
     assert second["rejected_input_ids"] == [*ids(" bad"), eos]
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_pairs_identical_after_truncation_are_dropped_and_counted(policy, tokenizer, tokenizer_dir, tmp_path):
+    # chosen and rejected differ only past max_length: once cut they are the same tokens (zero gradient)
+    long_answer = " we loved it and the staff were really very friendly"
+    rows = [
+        {"prompt": "the", "chosen": long_answer + " good", "rejected": long_answer + " bad"},
+        {"prompt": "the", "chosen": " good", "rejected": " bad"},
+        {"prompt": "the", "chosen": long_answer + " and clean", "rejected": " bad"},  # cut, still different
+    ]
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        path = write_rows(rows, tmp_path, "jsonl")
+        dm = make(PreferenceDataModule, tokenizer_dir, path, tmp_path, max_prompt_length=4, max_length=8,
+                  length_policy=policy)  # fmt: skip
+        dm.setup()
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if policy == "drop":  # over-length rows go first: nothing is left to be identical
+        assert dm.stats["train"] == {"rows": 3, "truncated": 0, "dropped": 2, "identical": 0}
+        assert len(dm.train_dataset) == 1
+        return
+    assert dm.stats["train"] == {"rows": 3, "truncated": 2, "dropped": 0, "identical": 1}
+    assert any("2 truncated, 0 dropped; 1 dropped as identical after truncation" in m for m in seen), seen
+    assert len(dm.train_dataset) == 2
+    kept = [(r["chosen_input_ids"], r["rejected_input_ids"]) for r in dm.train_dataset]
+    assert all(chosen != rejected for chosen, rejected in kept)
+    assert kept[0][0] == [*ids(" good"), dm.tokenizer.eos_token_id]
+    assert list(dm.train_dataset["row_index"]) == [0, 1], "row_index numbers the kept pairs"
+
+
+def test_all_pairs_identical_after_truncation_is_an_error(tokenizer_dir, tmp_path):
+    long_answer = " we loved it and the staff were really very friendly"
+    path = write_rows([{"prompt": "the", "chosen": long_answer + " good", "rejected": long_answer + " bad"}],
+                      tmp_path, "jsonl")  # fmt: skip
+    with pytest.raises(DataFormatError, match="all 1 rows .* identical after truncation"):
+        make(PreferenceDataModule, tokenizer_dir, path, tmp_path, max_prompt_length=4, max_length=8).setup()
 
 
 def test_all_rows_dropped_is_an_error(tokenizer_dir, tmp_path):

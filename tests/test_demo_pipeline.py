@@ -197,6 +197,24 @@ def test_seeds_and_algorithms_arguments():
         pipeline.parse_algorithms("ppo,nope")
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_threads_below_one_is_a_usage_error_naming_the_option(value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main(["--out", str(tmp_path / "demo"), "--threads", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --threads: --threads:" in err and "Traceback" not in err, err
+    assert not (tmp_path / "demo").exists(), "nothing ran"
+
+
+def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "demo").write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main(["--out", str(tmp_path / "demo"), "--threads", "1"])
+    assert exit_info.value.code == 2
+    assert f"error: --out: {tmp_path / 'demo'} is an existing file, not a folder" in capsys.readouterr().err
+
+
 def _point(step, seconds, gold_mean, kl, gold_std=2.0):
     return {"step": step, "seconds": seconds, "gold_mean": gold_mean, "gold_std": gold_std, "kl_ref": kl, "n_prompts": 8}
 

@@ -241,3 +241,32 @@ def test_accepts_dict_and_path_specs(tiny_data):
 def test_bad_arguments_are_named(tiny_data, kwargs, message):
     with pytest.raises(ValueError, match=message):
         _dpo(tiny_data, **kwargs)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_precompute_with_a_non_finite_reference_says_so(tiny_data, tmp_path, stage):
+    # a reference whose weights hold NaN: its log-probs are NaN, which is not "rows out of order"
+    from lit_rlhf.guards import NonFiniteError
+
+    module = _dpo(tiny_data, precompute_ref_logprobs=True)
+    with torch.no_grad():
+        next(module.reference.parameters()).fill_(float("nan"))
+    trainer = _trainer(tmp_path, max_steps=1, enable_checkpointing=False)
+    with pytest.raises(NonFiniteError) as err:
+        getattr(trainer, stage)(module, _data(tiny_data))
+    message = str(err.value)
+    assert "reference model" in message and "non-finite" in message and "row_index out of order" not in message
+    split = "train" if stage == "fit" else "val"
+    assert f"of the {split} split" in message and "the initial policy" in message and "[0, 1, 2" in message
+
+
+def test_precompute_rows_without_log_probs_are_still_named(tiny_data, tmp_path):
+    module = _dpo(tiny_data, precompute_ref_logprobs=True)
+    data = _data(tiny_data)
+    data.setup("fit")
+    trainer = _trainer(tmp_path, max_steps=1)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    broken = data.val_dataset.map(lambda row: {"row_index": 0})  # every pair claims row 0
+    with pytest.raises(RuntimeError, match=r"rows of the val split got no reference log-probs.*row_index out of order"):
+        module._score_dataset(broken, data.collator, 16, "val")

@@ -2,8 +2,8 @@
 
 ``setup`` reads every row of every source once through ``Dataset.map`` (cached by ``datasets`` for
 file-backed data), so a malformed row stops the run with a :class:`DataFormatError` before training.
-Rows over the length limits are truncated or dropped (``length_policy``); the counts are logged and kept
-in ``stats``. The training loader uses :class:`ResumableSampler`; its position is part of the module's
+Rows over the length limits are truncated or dropped (``length_policy``); pairs whose responses are
+identical once truncated are dropped; the counts are logged and kept in ``stats``. The training loader uses :class:`ResumableSampler`; its position is part of the module's
 ``state_dict``, which Lightning saves in checkpoints, so a resumed fit continues with the next batch.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -47,8 +48,10 @@ def encode_batch(
 ) -> dict[str, list]:
     """Batched ``Dataset.map`` function: validate, render, tokenise and clip rows.
 
-    Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns, and
-    ``over_length`` (whether the limits cut the row; the length policy reads it).
+    Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns,
+    ``over_length`` (whether the limits cut the row; the length policy reads it) and, with two or more
+    slots, ``identical`` (whether the clipped responses are all equal: a pair whose texts differ only past
+    ``max_length`` teaches nothing, its loss gradient is zero; the length policy drops it).
     """
     indices = batch.pop(FILE_ROW_COLUMN, indices)  # a slice of a local file: the rows' numbers in the file
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -64,6 +67,7 @@ def encode_batch(
         "prompt_input_ids": [],
         "over_length": [],
         **{f"{s}_input_ids": [] for s in slots},
+        **({"identical": []} if len(slots) > 1 else {}),
     }
     for (_, _, extras), prompt, row_responses in zip(parsed, prompts, responses):
         prompt, row_responses, over = clip_lengths(prompt, row_responses, max_prompt_length, max_length)
@@ -71,6 +75,8 @@ def encode_batch(
         out["over_length"].append(over)
         for slot, ids in zip(slots, row_responses):
             out[f"{slot}_input_ids"].append(ids)
+        if len(slots) > 1:
+            out["identical"].append(all(ids == row_responses[0] for ids in row_responses[1:]))
         for name, value in extras.items():
             out.setdefault(name, []).append(value)
     return out
@@ -85,7 +91,7 @@ def resolve_seed(seed: int | None) -> int:
     return seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
-def _not_over_length(flags: list[bool]) -> list[bool]:
+def _not_flagged(flags: list[bool]) -> list[bool]:
     return [not f for f in flags]
 
 
@@ -188,19 +194,28 @@ class RLHFDataModule(LightningDataModule):
         hp = self.hparams
         rows, over = len(dataset), sum(dataset["over_length"])
         if hp.length_policy == "drop" and over:
-            dataset = dataset.filter(_not_over_length, input_columns="over_length", batched=True)
+            dataset = dataset.filter(_not_flagged, input_columns="over_length", batched=True)
         dataset = dataset.remove_columns("over_length")
         truncated, dropped = (over, 0) if hp.length_policy == "truncate" else (0, over)
         self.stats[split] = {"rows": rows, "truncated": truncated, "dropped": dropped}
         limits = f"max_prompt_length={hp.max_prompt_length}, max_length={hp.get('max_length')}"
+        identical = ""
+        if "identical" in dataset.column_names:  # responses equal once truncated: nothing to learn
+            same = sum(dataset["identical"])
+            if same:
+                dataset = dataset.filter(_not_flagged, input_columns="identical", batched=True)
+            dataset = dataset.remove_columns("identical")
+            self.stats[split]["identical"] = same
+            identical = f"; {same} dropped as identical after truncation (responses differ only past max_length)"
         rank_zero_info(
             f"{type(self).__name__} {split} data ({source}): {rows} rows; over the length limits ({limits}):"
-            f" {truncated} truncated, {dropped} dropped"
+            f" {truncated} truncated, {dropped} dropped{identical}"
         )
         if len(dataset) == 0:
-            raise DataFormatError(
-                source, f"all {rows} rows of the {split} split exceed the length limits ({limits})"
+            why = "exceed the length limits" if not self.stats[split].get("identical") else (
+                "exceed the length limits or have responses identical after truncation"
             )
+            raise DataFormatError(source, f"all {rows} rows of the {split} split {why} ({limits})")
         return dataset
 
     @override
@@ -224,7 +239,13 @@ class RLHFDataModule(LightningDataModule):
     @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
-            return []  # Lightning skips validation on an empty list
+            if self.trainer is not None and self.trainer.state.fn == TrainerFn.VALIDATING:
+                raise ValueError(
+                    f"{type(self).__name__}: validation needs held-out rows: set `val_path` (a source like"
+                    " `train_path`, e.g. --data.init_args.val_path=data/tiny/prompts_val.jsonl) or `val_fraction`"
+                    f" > 0 to carve them from `train_path` (got val_path=None, val_fraction={self.hparams.val_fraction})"
+                )
+            return []  # fit without validation rows: Lightning skips validation on an empty list
         hp = self.hparams
         return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
 

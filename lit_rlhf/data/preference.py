@@ -67,6 +67,8 @@ class PreferenceDataModule(RLHFDataModule):
             max_length: token limit of prompt + response (each of chosen and rejected).
             max_prompt_length: token limit of the prompt (its end is kept when truncating).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
+                A truncated pair whose chosen and rejected tokens are then identical (they differ only past
+                ``max_length``) is dropped as well (zero gradient), counted as ``stats[split]["identical"]``.
             batch_size: pairs per training batch (the model sees 2 * batch_size sequences).
             val_batch_size: pairs per validation batch; None means ``batch_size``.
             num_workers: DataLoader worker processes.

@@ -39,6 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from lit_rlhf.callbacks import check_output_folder  # noqa: E402
 from lit_rlhf.demo import assets, evaluate, report  # noqa: E402
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
 from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
@@ -93,6 +94,17 @@ def parse_seeds(text: str) -> list[int]:
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise argparse.ArgumentTypeError(f"--seeds: at least one seed, distinct and >= 0, got {text!r}")
     return seeds
+
+
+def parse_threads(text: str) -> int:
+    """``--threads``: a positive number of torch CPU threads (torch itself fails on 0 with a traceback)."""
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads: a positive whole number, got {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"--threads: at least 1 thread, got {threads}")
+    return threads
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -295,9 +307,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         default=True,
         help="also run the weak-RM, weak-KL over-optimisation demo (default: on)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=parse_threads, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
     args = parser.parse_args(argv)
+    try:  # an output folder that cannot be written fails now, not after the first stage
+        check_output_folder(args.out, "--out")
+    except OSError as err:
+        parser.error(str(err))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     process_start = _PROCESS_START if __name__ == "__main__" else None

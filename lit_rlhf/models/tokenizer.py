@@ -8,6 +8,7 @@ builders in :mod:`lit_rlhf.models.loading` resize the embeddings to match.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -43,7 +44,10 @@ def load_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise OSError(f"could not load a tokenizer from {name_or_path!r}: {err}") from err
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if not os.path.exists(os.path.expanduser(name_or_path)):  # say first what a local path lacks
+            reason = f"no such folder ({os.path.abspath(name_or_path)}), nor a hub model ({reason})"
+        raise OSError(f"could not load a tokenizer from {name_or_path!r}: {reason}") from err
     tokenizer.padding_side = padding_side
     if tokenizer.eos_token is None:
         raise ValueError(

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lit_rlhf.batching import Bucketing
 from lit_rlhf.functional import DPO_LOSS_TYPES, dpo_loss
+from lit_rlhf.guards import NonFiniteError
 from lit_rlhf.models import (
     ModelSpec,
     SharedPrefixLayout,
@@ -212,14 +213,17 @@ class DPOModule(SingleModelModule):
         for split in splits:
             dataset = getattr(datamodule, f"{split}_dataset", None)
             if dataset is not None and split not in self.ref_logps:
-                self.ref_logps[split] = self._score_dataset(dataset, datamodule.collator, datamodule.hparams.batch_size)
+                self.ref_logps[split] = self._score_dataset(
+                    dataset, datamodule.collator, datamodule.hparams.batch_size, split
+                )
 
     @torch.no_grad()
-    def _score_dataset(self, dataset: Dataset, collator: Any, batch_size: int) -> torch.Tensor:
+    def _score_dataset(self, dataset: Dataset, collator: Any, batch_size: int, split: str = "train") -> torch.Tensor:
         """(rows, 2) reference log-probs of (chosen, rejected); each rank scores a share, then all-gather.
 
         The unshuffled ``DistributedSampler`` pads every rank to the same number of rows, so all ranks
-        run the same forwards (FSDP needs every rank in every forward).
+        run the same forwards (FSDP needs every rank in every forward). Rows that no batch covered and
+        non-finite log-probs (a reference with NaN/inf weights) are refused with different messages.
         """
         world, rank = self.trainer.world_size, self.global_rank
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
@@ -233,11 +237,35 @@ class DPOModule(SingleModelModule):
         indices, logps = torch.cat(indices), torch.cat(logps)  # (n,), (n, 2)
         if world > 1:
             indices, logps = self.all_gather(indices).flatten(), self.all_gather(logps).reshape(-1, 2)
-        table = torch.full((len(dataset), 2), float("nan"), device=self.device)
-        table[indices] = logps
-        if table.isnan().any():
-            raise RuntimeError("DPOModule: some rows got no reference log-probs (row_index out of order?)")
+        table = torch.zeros((len(dataset), 2), device=self.device)
+        covered = torch.zeros(len(dataset), dtype=torch.bool, device=self.device)
+        table[indices], covered[indices] = logps, True
+        if not covered.all():
+            missing = (~covered).nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"DPOModule: {len(missing)} rows of the {split} split got no reference log-probs (rows"
+                f" {missing[:8]}{' ...' if len(missing) > 8 else ''}; row_index out of order?)"
+            )
+        bad = (~torch.isfinite(table)).any(dim=1)  # (rows,)
+        if bad.any():
+            rows = bad.nonzero().flatten().tolist()
+            raise NonFiniteError(
+                f"DPOModule(precompute_ref_logprobs=True): the reference model ({self._reference_name()}) gave"
+                f" non-finite (NaN/inf) log-probs for {len(rows)} of {len(table)} pairs of the {split} split"
+                f" (row_index {rows[:8]}{' ...' if len(rows) > 8 else ''}); are its weights finite?"
+            )
         return table
+
+    def _reference_name(self) -> str:
+        """The reference as the user gave it: its spec's path/config, or the initial policy."""
+        spec = self.hparams.get("reference")
+        if spec is None:
+            spec, which = self.hparams.get("model"), "the initial policy"
+        else:
+            which = "reference"
+        spec = spec if isinstance(spec, dict) else getattr(spec, "__dict__", {})
+        where = spec.get("name_or_path") or ("inline config" if spec.get("config") else None)
+        return f"{which}, {where}" if where else which
 
     @override
     def on_fit_start(self) -> None:

@@ -1,0 +1,155 @@
+"""Through ``lit-rlhf``, errors with the project's own messages end in one ``error:`` line (exit status 2):
+bad argument values of every module and DataModule, a missing export named with the config that writes
+it, data/setup errors and output folders that cannot be written, all before any training step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A fresh clone after `make_tiny_data.py --out data/tiny`: no runs/ yet (no SFT or RM export)."""
+    work = tmp_path_factory.mktemp("cli_errors")
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_data.py"), "--out", str(work / "data/tiny"),
+                    "--rows", "48"], check=True, capture_output=True)  # fmt: skip
+    return work
+
+
+def lit_rlhf(workdir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "LIT_RLHF_DEBUG"}
+    environ.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **env)
+    return subprocess.run([sys.executable, "-m", "lit_rlhf.cli", *args], cwd=workdir, env=environ,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def error_line(proc: subprocess.CompletedProcess, max_lines: int | None = 8) -> str:
+    """The one ``error:`` line of a failed command (asserting that it is one line, without a traceback)."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    # before the Trainer runs: "Seed set to 0", Lightning's device lines, the error and the hint
+    assert max_lines is None or len(out.splitlines()) <= max_lines, out
+    return errors[0]
+
+
+def with_value(config: str, key: str, value, tmp_path: Path) -> str:
+    """A copy of a shipped config with ``key`` set to ``value`` wherever the file has it under ``model`` (the
+    module's arguments may be flat or grouped)."""
+    data = yaml.safe_load((ROOT / config).read_text())
+
+    def visit(node) -> bool:
+        if isinstance(node, dict):
+            if key in node:
+                node[key] = value
+                return True
+            return any(visit(v) for v in node.values())
+        return False
+
+    if not visit(data["model"]):  # not in the file: the module's default, set where the flat arguments are
+        data["model"]["init_args"][key] = value
+    path = tmp_path / Path(config).name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "config, key, value, expected",
+    [
+        ("configs/sft_tiny.yaml", "num_samples", -1, "num_samples must be >= 0, got -1"),
+        ("configs/rm_tiny.yaml", "center_rewards_coef", -1.0, "center_rewards_coef must be >= 0, got -1.0"),
+        ("configs/dpo_tiny.yaml", "beta", 0.0, "DPOModule: beta must be > 0, got 0.0"),
+        ("configs/ppo_tiny.yaml", "ppo_epochs", 0, "ppo_epochs must be > 0, got 0"),
+        ("configs/grpo_tiny.yaml", "num_minibatches", 0, "num_minibatches must be > 0, got 0"),
+    ],
+    ids=["sft", "rm", "dpo", "ppo", "grpo"],
+)
+def test_a_bad_module_argument_is_one_error_line(workdir, tmp_path, config, key, value, expected):
+    proc = lit_rlhf(workdir, "fit", "--config", with_value(config, key, value, tmp_path))
+    assert expected in error_line(proc)
+
+
+def test_a_bad_command_line_option_is_one_error_line_and_debug_shows_the_traceback(workdir):
+    args = ("fit", "--config", str(ROOT / "configs/sft_tiny.yaml"), "--data.init_args.val_fraction=1.5")
+    line = error_line(lit_rlhf(workdir, *args))
+    assert line == "error: SFTDataModule: val_fraction must be in [0, 1), got 1.5"
+    debug = lit_rlhf(workdir, *args, LIT_RLHF_DEBUG="1")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "val_fraction must be in [0, 1)" in debug.stderr
+
+
+@pytest.mark.parametrize("name", ["grpo", pytest.param("dpo", marks=pytest.mark.slow)])
+def test_a_missing_export_names_the_config_that_writes_it(workdir, name):
+    line = error_line(lit_rlhf(workdir, "fit", "--config", str(ROOT / f"configs/{name}_tiny.yaml")))
+    assert "could not load a tokenizer from 'runs/sft_tiny/export': no such folder" in line
+    assert "runs/sft_tiny/export is written by the HFExport of" in line and "configs/sft_tiny.yaml" in line
+    assert "Does not validate against any of the Union subtypes" not in line
+
+
+def test_a_missing_data_file_at_setup_is_one_error_line(workdir):
+    line = error_line(lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/sft_tiny.yaml"),
+                               "--data.init_args.train_path=data/tiny/nope.jsonl"))  # fmt: skip
+    assert "data/tiny/nope.jsonl" in line and "not found" in line
+
+
+def test_validate_without_a_validation_split_is_one_error_line(workdir):
+    line = error_line(lit_rlhf(workdir, "validate", "--config", str(ROOT / "configs/sft_tiny.yaml"),
+                               "--data.init_args.val_fraction=0", "--trainer.logger=false"))  # fmt: skip
+    assert "SFTDataModule: validation needs held-out rows: set `val_path`" in line and "val_fraction" in line
+
+
+def test_output_folders_that_cannot_be_written_are_refused_before_training(workdir, tmp_path):
+    (tmp_path / "blocker").write_text("a file")
+    export = f'[{{"class_path": "lit_rlhf.callbacks.HFExport", "init_args": {{"dirpath": "{tmp_path}/blocker"}}}}]'
+    checkpoint = f'[{{"class_path": "ModelCheckpoint", "init_args": {{"dirpath": "{tmp_path}/blocker/ckpt"}}}}]'
+    for callbacks, expected in (
+        (export, f"error: HFExport dirpath: {tmp_path}/blocker is an existing file, not a folder"),
+        (checkpoint, f"error: ModelCheckpoint dirpath: {tmp_path}/blocker/ckpt cannot be created"),
+    ):
+        proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/sft_tiny.yaml"), "--trainer.logger=false",
+                        f"--trainer.callbacks={callbacks}")  # fmt: skip
+        assert error_line(proc, max_lines=None).startswith(expected)  # after the model summary
+        assert "epoch 1/" not in proc.stdout + proc.stderr, "no training step ran"
+
+
+def test_errors_from_steps_keep_their_traceback():
+    # only errors raised by the project's code from instantiation or a setup hook become one line
+    from lit_rlhf.cli import in_setup_hook, project_error
+
+    def setup():
+        raise ValueError("SFTDataModule: bad")
+
+    def training_step():
+        raise ValueError("PPOModule: a bug in the step")
+
+    for fn, one_line in ((setup, True), (training_step, False)):
+        try:
+            fn()
+        except ValueError as err:
+            assert project_error(err) is None, "raised outside lit_rlhf: not the project's message"
+            assert in_setup_hook(err) is one_line
+
+
+def test_the_config_writing_a_missing_folder_is_found_in_the_working_directory_and_the_checkout(tmp_path, monkeypatch):
+    from lit_rlhf.cli import config_writing, missing_folder_hints
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/mine.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: lit_rlhf.callbacks.HFExport\n      init_args: {dirpath: out/mine}\n"
+    )
+    assert config_writing("out/mine") == tmp_path / "configs/mine.yaml"
+    assert config_writing("runs/ppo_tiny/export/actor") == ROOT / "configs/ppo_tiny.yaml"  # inside an export
+    assert config_writing("out/other") is None
+    hint = missing_folder_hints("could not load a tokenizer from 'out/mine': no such folder")
+    assert hint == " (out/mine is written by the HFExport of configs/mine.yaml: run `lit-rlhf fit --config configs/mine.yaml` first)"
+    (tmp_path / "out/mine").mkdir(parents=True)
+    assert missing_folder_hints("from 'out/mine'") == "", "an existing folder needs no hint"

@@ -1,0 +1,94 @@
+"""Output folders that cannot be written are refused when fit starts, not after training."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lit_rlhf.callbacks import (
+    CheckpointFolderCheck,
+    HFExport,
+    PeakMemory,
+    SigtermCheckpoint,
+    check_output_folder,
+)
+
+
+class CountSteps(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args) -> None:
+        self.steps += 1
+
+
+def fit(tmp_path, *callbacks) -> CountSteps:
+    counter = CountSteps()
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, counter],
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    return counter
+
+
+def test_hf_export_into_an_existing_file_is_refused_before_the_first_step(tmp_path):
+    target = tmp_path / "export"
+    target.write_text("not a folder")
+    counter = CountSteps()
+    with pytest.raises(FileExistsError, match=rf"HFExport dirpath: {target} is an existing file, not a folder"):
+        fit(tmp_path, HFExport(str(target)), counter)
+    assert counter.steps == 0
+
+
+def test_hf_export_under_a_file_is_refused_before_the_first_step(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    target = tmp_path / "blocker" / "export"
+    with pytest.raises(NotADirectoryError, match=rf"HFExport dirpath: {target} cannot be created: .*blocker is a file"):
+        fit(tmp_path, HFExport(str(target)))
+
+
+def test_checkpoint_folder_that_cannot_be_created_is_refused_before_the_first_step(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    folder = tmp_path / "blocker" / "checkpoints"
+    counter = CountSteps()
+    with pytest.raises(NotADirectoryError, match=rf"ModelCheckpoint dirpath: {folder} cannot be created"):
+        fit(tmp_path, ModelCheckpoint(dirpath=folder), CheckpointFolderCheck(), counter)
+    assert counter.steps == 0
+    # a good folder passes (and is created by ModelCheckpoint itself, as before)
+    fit(tmp_path, ModelCheckpoint(dirpath=tmp_path / "ok" / "checkpoints"), CheckpointFolderCheck())
+    assert any((tmp_path / "ok" / "checkpoints").iterdir())
+
+
+def test_sigterm_and_peak_memory_destinations_are_checked_before_the_first_step(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    counter = CountSteps()
+    with pytest.raises(NotADirectoryError, match="SigtermCheckpoint dirpath: .*blocker is a file"):
+        fit(tmp_path, SigtermCheckpoint(dirpath=str(tmp_path / "blocker" / "sig")), CheckpointFolderCheck(), counter)
+    with pytest.raises(FileExistsError, match="PeakMemory output: .*blocker is an existing file, not a folder"):
+        fit(tmp_path, PeakMemory(output=str(tmp_path / "blocker" / "peak.json")), counter)
+    with pytest.raises(IsADirectoryError, match="PeakMemory output: .* is a folder"):
+        fit(tmp_path, PeakMemory(output=str(tmp_path)), counter)
+    assert counter.steps == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_parent_is_refused(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match="x: .* cannot be created"):
+            check_output_folder(parent / "out", "x")
+    finally:
+        parent.chmod(0o700)
+
+
+def test_missing_nested_folders_and_remote_paths_pass(tmp_path):
+    check_output_folder(tmp_path / "a" / "b" / "c", "x")
+    check_output_folder("s3://bucket/prefix", "x")
+    assert not (tmp_path / "a").exists(), "nothing is created"
