@@ -29,6 +29,7 @@ named with that config.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -260,6 +261,21 @@ def _init_parameters(cls: type) -> set[str] | None:
     return None
 
 
+def _unaccepted(cls: type, arguments: Mapping[str, Any]) -> list[str]:
+    """The names among ``arguments`` that ``cls(...)`` does not accept, down to the fields of its settings
+    groups (``update.old_logprobs_from_update`` is a critic-free field, not a PPO one)."""
+    accepted = _init_parameters(cls)
+    if accepted is None:
+        return []
+    unknown = sorted(set(arguments) - accepted)
+    for key, group in getattr(cls, "settings_groups", {}).items():
+        value = arguments.get(key)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(group):
+            fields = {f.name for f in dataclasses.fields(group)}
+            unknown += [f"{key}.{name}" for name in sorted(set(value) - fields)]
+    return unknown
+
+
 def _concrete_modules(base: type = LightningModule) -> list[type]:
     found, todo = [], list(base.__subclasses__())
     while todo:
@@ -329,8 +345,7 @@ class CheckpointInfo:
             saved = _import_class(self.class_path)
             if saved is not cls:
                 return f"it holds a {self.class_path}, but the config's model is {name}"
-        accepted = _init_parameters(cls)
-        unknown = sorted(set(self.arguments) - accepted) if accepted is not None else []
+        unknown = _unaccepted(cls, self.arguments)
         if unknown:
             if self.class_path is not None:
                 return (
@@ -345,7 +360,7 @@ class CheckpointInfo:
         return None
 
     def _guess(self) -> str:
-        fits = [c for c in _concrete_modules() if (p := _init_parameters(c)) is not None and set(self.arguments) <= p]
+        fits = [c for c in _concrete_modules() if _init_parameters(c) is not None and not _unaccepted(c, self.arguments)]
         if not fits:
             return "; it was written by another module class"
         best = min(fits, key=lambda c: len(_init_parameters(c) or ()))

@@ -68,8 +68,8 @@ def with_value(config: str, key: str, value, tmp_path: Path) -> str:
         ("configs/sft_tiny.yaml", "num_samples", -1, "num_samples must be >= 0, got -1"),
         ("configs/rm_tiny.yaml", "center_rewards_coef", -1.0, "center_rewards_coef must be >= 0, got -1.0"),
         ("configs/dpo_tiny.yaml", "beta", 0.0, "DPOModule: beta must be > 0, got 0.0"),
-        ("configs/ppo_tiny.yaml", "ppo_epochs", 0, "ppo_epochs must be > 0, got 0"),
-        ("configs/grpo_tiny.yaml", "num_minibatches", 0, "num_minibatches must be > 0, got 0"),
+        ("configs/ppo_tiny.yaml", "epochs", 0, "error: update.epochs must be > 0, got 0"),
+        ("configs/grpo_tiny.yaml", "num_minibatches", 0, "error: update.num_minibatches must be > 0, got 0"),
     ],
     ids=["sft", "rm", "dpo", "ppo", "grpo"],
 )
