@@ -171,34 +171,13 @@ def write_report(
     first seed, ``algorithms`` holds every algorithm's means, spreads and per-seed figures.
     """
     report_start = time.perf_counter()
-    scalars = {name: read_scalars(run.log_dir) for name, run in runs.items()}
-    plots, curves = {}, {}
-    for name in [n for n in ("ppo", "ppo_overoptimize") if n in runs]:
-        init = runs[name].config["model"]["init_args"]
-        per_rollout = runs[name].config["data"]["init_args"]["batch_size"]
-        curves[name] = reward_curves(scalars[name], per_rollout)
-        plots[name] = out / f"{name}_reward_vs_kl.png"
-        title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
-        budget = KL_BUDGET if name == "ppo" else None
-        plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget)
-    plots["rm_accuracy"] = out / "rm_accuracy.png"
-    plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
+    plots, curves = _training_plots(out, runs)
     first_runs = [records[0].run for records in algorithm_runs.values()]
     shown = ["sft", *first_runs, *[n for n in ("ppo_overoptimize",) if n in results]]
     (out / "samples.md").write_text(_samples_md(results, shown, EVAL_TEMPERATURE))
 
     sft = results["sft"]["summary"]
-    algorithms, gold_curves = {}, {}
-    for name, records in algorithm_runs.items():
-        seeds = []
-        for record in records:
-            points = compare.read_curve(out / "curves" / f"{record.run}.json")
-            seed = record.config["seed_everything"]
-            memory = compare.read_memory(out / "memory" / f"{record.run}.json")
-            summary = results[record.run]["summary"]
-            seeds.append(compare.seed_figures(record.run, seed, summary, sft, points, record, memory))
-            gold_curves.setdefault(name, []).append(points)
-        algorithms[name] = compare.aggregate(seeds)
+    algorithms, gold_curves = _algorithm_figures(out, results, algorithm_runs, sft)
     plots["algorithms_gold"] = out / "algorithms_gold.png"
     compare.plot_gold_curves(gold_curves, plots["algorithms_gold"])
     wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
@@ -234,6 +213,39 @@ def write_report(
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
+
+
+def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
+    """PPO's (and the over-optimisation run's) reward-vs-KL plots and curves, and the RM accuracy plot."""
+    scalars = {name: read_scalars(run.log_dir) for name, run in runs.items()}
+    plots, curves = {}, {}
+    for name in [n for n in ("ppo", "ppo_overoptimize") if n in runs]:
+        init = runs[name].config["model"]["init_args"]
+        per_rollout = runs[name].config["data"]["init_args"]["batch_size"]
+        curves[name] = reward_curves(scalars[name], per_rollout)
+        plots[name] = out / f"{name}_reward_vs_kl.png"
+        title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
+        budget = KL_BUDGET if name == "ppo" else None
+        plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget)
+    plots["rm_accuracy"] = out / "rm_accuracy.png"
+    plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
+    return plots, curves
+
+
+def _algorithm_figures(out: Path, results: dict, algorithm_runs: dict[str, list], sft: dict) -> tuple[dict, dict]:
+    """Each algorithm's per-seed figures aggregated (means, spreads), and its gold curves per seed."""
+    algorithms, gold_curves = {}, {}
+    for name, records in algorithm_runs.items():
+        seeds = []
+        for record in records:
+            points = compare.read_curve(out / "curves" / f"{record.run}.json")
+            seed = record.config["seed_everything"]
+            memory = compare.read_memory(out / "memory" / f"{record.run}.json")
+            summary = results[record.run]["summary"]
+            seeds.append(compare.seed_figures(record.run, seed, summary, sft, points, record, memory))
+            gold_curves.setdefault(name, []).append(points)
+        algorithms[name] = compare.aggregate(seeds)
+    return algorithms, gold_curves
 
 
 def _fmt(value: float | None, spec: str) -> str:
