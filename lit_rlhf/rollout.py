@@ -8,13 +8,14 @@ Shapes: B rollout rows, P prompt length (left-padded), T response length (right-
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
 
 import torch
 
 from lit_rlhf.batching import trim_prompt_response
 from lit_rlhf.models.sampling import SAMPLERS
+from lit_rlhf.settings import Settings
 
 GROUP_PREFILL_CHOICES = ("auto", "always", "never")
 # "auto" shares the prefill from this padded prompt width on (measured with scripts/bench/prefill_bench.py)
@@ -22,7 +23,7 @@ GROUP_PREFILL_MIN_PROMPT_TOKENS = 32
 
 
 @dataclass
-class GenerationSettings:
+class GenerationSettings(Settings):
     """Sampling settings of the rollout (Hugging Face ``generate``, KV cache on).
 
     Attributes:
@@ -55,6 +56,8 @@ class GenerationSettings:
             decoding step, as long as the product itself); only for plain heads of at least 2**20
             weights. Same products, logits equal to float rounding. False leaves the head alone.
     """
+
+    group: ClassVar[str] = "generation"
 
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -95,34 +98,6 @@ class GenerationSettings:
         if self.group_prefill == "never" or synced_gpus or group_size < 2 or prompt_length < 2:
             return False
         return self.group_prefill == "always" or prompt_length >= GROUP_PREFILL_MIN_PROMPT_TOKENS
-
-    @classmethod
-    def coerce(cls, value: Any, argument: str = "generation") -> GenerationSettings:
-        """Settings from what a user passes: ``GenerationSettings``, a dict of its fields, or None (defaults).
-
-        Raises:
-            TypeError: another type, or a dict with unknown fields (named with ``argument``).
-            ValueError: a field out of range (from the checks above).
-        """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            names = [f.name for f in fields(cls)]
-            unknown = sorted(set(value) - set(names))
-            if unknown:
-                raise TypeError(
-                    f"{argument}: unknown GenerationSettings field(s) {unknown}; valid ones are {names}"
-                )
-            return cls(**value)
-        raise TypeError(
-            f"{argument}: expected GenerationSettings or a dict of its fields, got {type(value).__name__}"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain fields (what ``hparams.yaml`` stores)."""
-        return asdict(self)
 
 
 @dataclass
