@@ -40,3 +40,14 @@ def test_on_with_an_unsupported_attention_is_refused_at_construction(tokenizer_d
 def test_prompt_loader_still_runs_with_the_default(tokenizer_dir, tmp_path):
     module = tiny_critic_free(tokenizer_dir, llama_config(), max_rollouts=1)
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+
+
+@pytest.mark.parametrize("kind", ["dpo", "rm"])
+def test_single_model_modules_refuse_on_with_an_unsupported_attention_at_construction(tokenizer_dir, kind):
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.modules import DPOModule, RewardModelModule
+
+    spec = ModelSpec(config={**llama_config(), "attn_implementation": "flex_attention"}, tokenizer=tokenizer_dir)
+    cls = DPOModule if kind == "dpo" else RewardModelModule
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: shared_prefix='on' cannot run the model with"):
+        cls(spec, shared_prefix="on")

@@ -39,6 +39,7 @@ from lit_rlhf.models.shared_prefix import (
     packed_sequence_scores,
     packed_token_scores,
     pair_layout,
+    refuse_unsupported_shared_prefix,
     shared_prefix_layout,
 )
 from lit_rlhf.models.spec import ModelSpec
@@ -76,6 +77,7 @@ __all__ = [
     "layout_fits",
     "load_tokenizer",
     "pack_shared_prefix",
+    "refuse_unsupported_shared_prefix",
     "packed_policy_forward",
     "packed_response_logprobs",
     "packed_sequence_scores",

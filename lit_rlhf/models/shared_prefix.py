@@ -292,6 +292,20 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def refuse_unsupported_shared_prefix(argument: str, mode: str, **models: nn.Module | None) -> None:
+    """``shared_prefix: on`` refused when a module is built (not at its first batch) if one of ``models``
+    (role -> model, None skipped) cannot run the layout; ``argument`` names the setting in the message."""
+    if mode != "on":
+        return
+    for role, model in models.items():
+        reason = None if model is None else unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(
+                f"{argument}='on' cannot run the {role} with {reason}; use 'auto' (packs only where "
+                "it can) or 'off'"
+            )
+
+
 def layout_fits(model: nn.Module, layout: SharedPrefixLayout) -> bool:
     """Whether ``layout``'s mask is the one ``model`` takes (a reference may differ from the actor)."""
     return mask_dtype(model) == layout.attention_mask.dtype

@@ -31,6 +31,7 @@ from lit_rlhf.models import (
     packed_response_logprobs,
     pair_layout,
     reference_logits_context,
+    refuse_unsupported_shared_prefix,
     response_logprobs,
 )
 from lit_rlhf.models import disable_dropout as zero_dropout
@@ -116,6 +117,7 @@ class DPOModule(SingleModelModule):
         elif loss_type != "simpo" and model.lora is None:
             self.reference = frozen_copy(self.model)
         self.strict_loading = False  # the reference is rebuilt in __init__, not checkpointed
+        refuse_unsupported_shared_prefix("DPOModule: shared_prefix", shared_prefix, model=self.model, reference=self.reference)
         # split -> (rows, 2) float32 reference log-probs (chosen, rejected) summed over the response
         self.ref_logps: dict[str, torch.Tensor] = {}
         self._reference_released = False

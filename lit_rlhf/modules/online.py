@@ -37,8 +37,8 @@ from lit_rlhf.models import (
     disable_dropout,
     frozen_copy,
     load_tokenizer,
+    refuse_unsupported_shared_prefix,
 )
-from lit_rlhf.models.shared_prefix import unsupported_reason
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import shard_models
 from lit_rlhf.modules.metrics import MetricGroup
@@ -154,7 +154,9 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         self.max_rollouts = max_rollouts
         self.rng_seed = resolve_seed(rng_seed)
         self.build_shared_models(actor, reference, reward_model, reward_fn, monitor_reward_fn)
-        self.check_shared_prefix_support()
+        refuse_unsupported_shared_prefix(
+            f"{type(self).__name__}: scoring.shared_prefix", self.shared_prefix, actor=self.actor, reference=self.reference
+        )
         self.kl_ctl = (
             F.FixedKLController(self.kl.coef)
             if self.kl.target is None
@@ -260,19 +262,6 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
                 )
             return "off"
         return mode
-
-    def check_shared_prefix_support(self) -> None:
-        """``scoring.shared_prefix: on`` is refused now, not at the first rollout, when the actor's or the
-        reference's attention implementation cannot run the shared-prompt layout."""
-        if self.shared_prefix != "on":
-            return
-        for role, model in (("actor", self.actor), ("reference", self.reference)):
-            reason = None if model is None else unsupported_reason(model)
-            if reason is not None:
-                raise ValueError(
-                    f"{type(self).__name__}: scoring.shared_prefix='on' cannot run the {role} with {reason}; "
-                    "use 'auto' (packs only where it can) or 'off'"
-                )
 
     def save_plain_hyperparameters(self, frame, shared: dict[str, Any]) -> None:
         """``save_hyperparameters`` of every ``__init__`` argument of the module's classes, with the settings

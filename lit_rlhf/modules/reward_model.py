@@ -18,6 +18,7 @@ from lit_rlhf.models import (
     check_shared_prefix_mode,
     packed_sequence_scores,
     pair_layout,
+    refuse_unsupported_shared_prefix,
     sequence_scores,
 )
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
@@ -106,6 +107,7 @@ class RewardModelModule(SingleModelModule):
         check_shared_prefix_mode(shared_prefix, "RewardModelModule: shared_prefix")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_score_model, optimizer, scheduler)
+        refuse_unsupported_shared_prefix("RewardModelModule: shared_prefix", shared_prefix, model=self.model)
         self.train_metrics, self.val_metrics, self.test_metrics = PairMetrics(), PairMetrics(), PairMetrics()
         self.persist_train_metrics(self.train_metrics)
 
