@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import resource
@@ -16,6 +17,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
+
+log = logging.getLogger(__name__)
 
 # Written by HFExport next to the weights: which run wrote the folder.
 EXPORT_MARKER = "lit_rlhf_export.json"
@@ -58,7 +61,14 @@ class HFExport(Callback):
 
     A run never silently replaces another run's export: the folder gets a ``lit_rlhf_export.json`` marker
     holding the run's id (kept in checkpoints, so a resumed run is the same run); a non-empty ``dirpath``
-    without this run's marker is refused when the fit starts, unless ``overwrite`` is true.
+    without this run's marker is refused when the fit starts (under FSDP, ModelParallel and DeepSpeed when
+    training starts: those restore a resumed run's id only after ``on_fit_start``), unless ``overwrite``
+    is true.
+
+    With several processes every rank checks the folder (they must all agree, or the collective export
+    would hang), so the ranks share global rank 0's run id (broadcast at ``setup``), and at the end of the
+    fit every rank has checked before rank 0 writes (a barrier): on a shared filesystem a rank reaching
+    ``on_fit_end`` after rank 0 has written would otherwise find "another run's export" there and fail.
 
     Args:
         dirpath: output folder; relative paths are taken from the working directory.
@@ -83,6 +93,11 @@ class HFExport(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.run_id = state_dict.get("run_id", self.run_id)
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # one id for all ranks (each drew its own uuid); a resumed run then loads the checkpoint's
+        self.run_id = trainer.strategy.broadcast(self.run_id)
+
     def check_destination(self) -> None:
         """Raise when ``dirpath`` cannot be written (an existing file, an uncreatable or read-only folder),
         or ``FileExistsError`` when it holds files that this run did not write (and not ``overwrite``)."""
@@ -101,8 +116,14 @@ class HFExport(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # fail before training, not after it (a resumed run has its run id back by now)
-        self.check_destination()
+        # fail before training, not after it (a resumed run has its run id back by now, except below)
+        if not _callbacks_restored_late(trainer):
+            self.check_destination()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if _callbacks_restored_late(trainer):
+            self.check_destination()
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -110,10 +131,18 @@ class HFExport(Callback):
         if export is None:
             raise TypeError(f"{type(pl_module).__name__} has no export_pretrained(folder) method")
         self.check_destination()
+        trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
         export(self.dirpath)
         if trainer.is_global_zero:
             (Path(self.dirpath) / EXPORT_MARKER).write_text(json.dumps({"run_id": self.run_id}) + "\n")
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")
+
+
+def _callbacks_restored_late(trainer: Trainer) -> bool:
+    """Whether the strategy restores a resumed fit's callback states only after ``on_fit_start`` (FSDP,
+    ModelParallel, DeepSpeed: ``restore_checkpoint_after_setup``; whether the fit resumes is not known yet
+    then); they are back by ``on_train_start``."""
+    return trainer.strategy.restore_checkpoint_after_setup
 
 
 class CheckpointFolderCheck(Callback):
@@ -149,6 +178,16 @@ class SigtermCheckpoint(Callback):
     report the interrupted fit as a success and stop a Kubernetes ``OnFailure``/``backoffLimit`` or a
     wrapper script from retrying it. Resume with ``--ckpt_path last`` (or the printed path).
 
+    With several processes (DDP, FSDP) every rank must stop at the same step boundary: one rank leaving
+    while another waits in the next step's collectives hangs the job. Lightning's handler is not safe there:
+    it runs a ``broadcast`` inside the signal handler, which pairs with whatever collective the other ranks
+    are in (or hangs when only one rank got the signal, e.g. ``kill`` of one worker), and each rank then stops
+    on its own flag. From ``on_train_start`` this callback replaces it (in multi-process fits only) by one
+    that just notes the signal; at the end of every training batch (and validation run) the ranks reduce the
+    notes with a max, and all of them set ``trainer.received_sigterm`` together, so Lightning stops them at
+    the same boundary. A SIGTERM to one rank, or to ``torchrun`` (which forwards it to every worker),
+    therefore stops every rank after the same step with status 143, and the checkpoint is written once.
+
     The file is ``last-sigterm.ckpt`` in the first ``ModelCheckpoint``'s folder (``ckpt_path="last"`` picks
     the newest ``last*.ckpt`` there), else in ``default_root_dir/checkpoints``; ``dirpath`` overrides it.
 
@@ -162,6 +201,50 @@ class SigtermCheckpoint(Callback):
             raise ValueError("SigtermCheckpoint: filename must not be empty")
         self.dirpath = dirpath
         self.filename = filename
+        self._requested = False  # a SIGTERM reached this rank (multi-process fits, see the class notes)
+        self._synced = False  # this callback's handler replaces Lightning's in this fit
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._requested, self._synced = False, False
+        if trainer.world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        # Lightning registered its SIGTERM handlers before the training loop (a composition of handlers, in
+        # the main thread only): swap its notifier, which runs a collective, for one that only notes it.
+        notifier = trainer._signal_connector._sigterm_notifier_fn
+        handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+        if isinstance(handlers, list) and notifier in handlers:
+            launcher = trainer.strategy.launcher
+
+            def note(signum: int, frame: Any) -> None:
+                log.info(f"[rank: {trainer.global_rank}] Received SIGTERM: {signum}; stopping at the step boundary")
+                if not self._requested and launcher is not None:
+                    launcher.kill(signum)  # processes Lightning started itself get it too, as with its handler
+                self._requested = True
+
+            handlers[handlers.index(notifier)] = note
+            self._synced = True
+
+    def _stop_together(self, trainer: Trainer) -> None:
+        """Collective: whether a SIGTERM reached any rank; if so every rank sets ``received_sigterm`` here."""
+        if not self._synced:
+            return
+        flag = torch.tensor([float(self._requested)], device=trainer.strategy.root_device)
+        if trainer.strategy.reduce(flag, reduce_op="max").item() > 0:
+            trainer._signal_connector.received_sigterm = True
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._stop_together(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._stop_together(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._synced = False
 
     def checkpoint_path(self, trainer: Trainer) -> str:
         folder = self.dirpath
