@@ -21,6 +21,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "distributed_worker.py"
 STRATEGIES = ["ddp", "fsdp2", "fsdp1"]
 TOL = 1e-4
+KILLED_BY_SIGNAL = "received by PID"  # torchrun's failure summary of a worker that died by a signal
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,16 @@ def run(tokenizer_dir, tmp_path_factory):
                 cmd.append("--resume")
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            # torchrun prefixes each rank's own traceback with [rankN]: show those, not the launcher's
+            if proc.returncode != 0 and KILLED_BY_SIGNAL in proc.stderr:
+                # a worker killed by a signal (seen once: SIGABRT in an FSDP1 run, not reproduced in 11
+                # runs): launched once more, and the first failure shown in the test's output
+                print(f"{strategy} {runs}: a worker was killed by a signal; launching again\n{proc.stderr[-4000:]}")
+                out = tmp_path_factory.mktemp(f"{strategy}_{runs}_again")
+                cmd[cmd.index("--out") + 1] = str(out)
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            # torchrun prefixes each rank's own traceback with [rankN]: show those, and the launcher's summary
             ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
-            assert proc.returncode == 0, (ranks or proc.stderr)[-6000:]
+            assert proc.returncode == 0, (ranks[-4000:] + "\n" + proc.stderr[-2000:])
             cache[strategy, runs] = json.loads((out / "results.json").read_text())
         return cache[strategy, runs]
 

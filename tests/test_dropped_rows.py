@@ -62,3 +62,15 @@ def test_the_module_passes_the_kept_rows_to_the_estimator(tokenizer_dir):
     scores = F.fill_dropped_scores(torch.tensor([0.0, NAN, 2.0]), keep, 3)
     adv = module.estimate_advantages(scores, logprobs, logprobs, mask, keep)
     assert adv[:, 0].tolist() == [-2.0, 0.0, 2.0] and (adv == adv[:, :1]).all()
+
+
+def test_a_resume_that_changes_k_is_refused_in_python_too(tokenizer_dir, tmp_path):
+    from ppo_helpers import prompt_loader, trainer
+
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=1)
+    fit = trainer(tmp_path)
+    fit.fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    fit.save_checkpoint(tmp_path / "k4.ckpt")
+    other = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2, generation={"num_samples": 2})
+    with pytest.raises(ValueError, match=r"generation.num_samples \(K\) cannot change on resume: the checkpoint has 4"):
+        trainer(tmp_path / "b").fit(other, prompt_loader(tokenizer_dir, n=4, batch_size=4), ckpt_path=tmp_path / "k4.ckpt")

@@ -136,6 +136,7 @@ class OnlineBookkeeping(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_fixed_on_resume(checkpoint)
         state = self.online_state(checkpoint)
         self.step_guard.load_state_dict(state.get("step_guard", {}))
         self.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -150,6 +151,17 @@ class OnlineBookkeeping(LightningModule):
             )
         # applied at the next training_step, after Lightning has finished restoring and set up the data
         self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
+
+    def check_fixed_on_resume(self, checkpoint: dict[str, Any]) -> None:
+        """K (``generation.num_samples``) cannot change on resume: the replay buffer's shuffling, the group
+        baselines and the prompt position all assume the checkpoint's (the CLI checks this earlier too)."""
+        generation = (checkpoint.get("hyper_parameters") or {}).get("generation")
+        saved = generation.get("num_samples") if isinstance(generation, dict) else None
+        if saved is not None and saved != self.num_samples:
+            raise ValueError(
+                f"{type(self).__name__}: generation.num_samples (K) cannot change on resume: the checkpoint has "
+                f"{saved}, this module {self.num_samples}; start a new run to change it"
+            )
 
     @staticmethod
     def online_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
