@@ -42,7 +42,7 @@ def run(tokenizer_dir, tmp_path_factory):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0 and KILLED_BY_SIGNAL in proc.stderr:
-                # a worker killed by a signal (seen once: SIGABRT in an FSDP1 run, not reproduced in 11
+                # a worker killed by a signal (seen once: SIGABRT in an FSDP1 run, not reproduced in 8
                 # runs): launched once more, and the first failure shown in the test's output
                 print(f"{strategy} {runs}: a worker was killed by a signal; launching again\n{proc.stderr[-4000:]}")
                 out = tmp_path_factory.mktemp(f"{strategy}_{runs}_again")
