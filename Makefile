@@ -1,6 +1,6 @@
 # The two set-up commands of the README:
 #   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/)
-#   make test   - ruff + the default test suite (multi-process tests included, slow end-to-end fits not)
+#   make test   - ruff + the default test suite (not the slow end-to-end fits nor the multi-process tests)
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
 # the default is the CPU wheel this project's machines carry; a GPU user sets e.g.
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
@@ -26,7 +26,7 @@ lint: venv
 
 # pytest exits 5 when it collects no test: that is a failure here too, with a clear message.
 test: venv lint
-	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS) || { rc=$$?; \
+	$(PY) -m pytest -m "not slow and not distributed" -q $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -eq 5 ] && echo "make test: pytest collected no tests"; exit $$rc; }
 
 test-all: venv lint
