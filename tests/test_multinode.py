@@ -28,7 +28,7 @@ What is checked:
   MASTER_PORT; Lightning launches nothing itself under SLURM) fit PPO and GRPO with the single
   process's metrics, node 1 writing nothing.
 
-Part of ``make test`` (marker ``distributed``); alone: ``pytest -m distributed tests/test_multinode.py``
+Marker ``distributed`` (``make test-all``); alone: ``pytest -m distributed tests/test_multinode.py``
 (about 40 s on two free cores).
 """
 
