@@ -8,6 +8,7 @@ instance, a dict of its fields (YAML, or Python), or None (the defaults). Each g
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, TypeVar
 
 S = TypeVar("S", bound="Settings")
@@ -74,4 +75,4 @@ class Settings:
         for name in names:
             value = getattr(self, name)
             if isinstance(value, float):
-                self.require(name, value == value and abs(value) != float("inf"), "a finite number")
+                self.require(name, math.isfinite(value), "a finite number")

@@ -270,18 +270,23 @@ GRPO_KEYS = (
 )  # fmt: skip
 
 
-def run_grpo(args, tok) -> dict:
-    seed_everything(0)
-    module = RowSeededGRPO(
+def grpo_module(args, samples: dict | None = None) -> RowSeededGRPO:
+    """The GRPO of these tests (K = 2); ``samples``: its sample-table settings (default: none)."""
+    return RowSeededGRPO(
         actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
         reward_fn="ppo_rewards:e_rate",
         generation=GenerationSettings(max_new_tokens=6, num_samples=2),
         update={"epochs": 2, "num_minibatches": 1, "loss_aggregation": "seq_mean_token_mean"},
         scoring={"forward_batch_size": 4},
         kl={"coef": 0.05, "target": 1.0, "loss_coef": 0.05},
-        samples={"every": 0},
+        samples=samples or {"every": 0},
         actor_optimizer=adamw(1e-2),
     )
+
+
+def run_grpo(args, tok) -> dict:
+    seed_everything(0)
+    module = grpo_module(args)
     make_trainer(args, "grpo", max_epochs=3).fit(module, prompt_loader(args, tok))
     rows = [r for r in read_csv(args.out, "grpo") if "policy/policy_loss" in r]
     return {"metrics": {key: [r[key] for r in rows] for key in GRPO_KEYS}}

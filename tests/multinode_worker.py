@@ -35,21 +35,20 @@ from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).parent))  # distributed_worker, ppo_rewards, ppo_helpers, conftest
 
-from conftest import llama_config  # noqa: E402
 from distributed_worker import (  # noqa: E402
     GLOBAL_BATCH,
     GRPO_KEYS,
     PPO_KEYS,
-    RowSeededGRPO,
     make_strategy,
     ppo_module,
     prompt_loader,
 )
-from ppo_helpers import adamw  # noqa: E402
+from distributed_worker import (
+    grpo_module as distributed_grpo_module,
+)
 
 from lit_rlhf.callbacks import HFExport  # noqa: E402
-from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
-from lit_rlhf.rollout import GenerationSettings  # noqa: E402
+from lit_rlhf.models import load_tokenizer  # noqa: E402
 
 SAMPLE_ROWS = 2  # rows of each rollout's sample table
 
@@ -99,18 +98,9 @@ def loader(args, tok, trainer: Trainer) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
 
-def grpo_module(args) -> RowSeededGRPO:
-    """The GRPO of ``distributed_worker.run_grpo``."""
-    return RowSeededGRPO(
-        actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
-        reward_fn="ppo_rewards:e_rate",
-        generation=GenerationSettings(max_new_tokens=6, num_samples=2),
-        update={"epochs": 2, "num_minibatches": 1, "loss_aggregation": "seq_mean_token_mean"},
-        scoring={"forward_batch_size": 4},
-        kl={"coef": 0.05, "target": 1.0, "loss_coef": 0.05},
-        samples={"every": 1, "rows": SAMPLE_ROWS},
-        actor_optimizer=adamw(1e-2),
-    )
+def grpo_module(args):
+    """The GRPO of ``distributed_worker.run_grpo``, with a sample table every rollout."""
+    return distributed_grpo_module(args, samples={"every": 1, "rows": SAMPLE_ROWS})
 
 
 def rank_info(trainer: Trainer) -> dict:

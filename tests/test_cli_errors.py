@@ -122,7 +122,7 @@ def test_output_folders_that_cannot_be_written_are_refused_before_training(workd
 
 def test_errors_from_steps_keep_their_traceback():
     # only errors raised by the project's code from instantiation or a setup hook become one line
-    from lit_rlhf.cli import in_setup_hook, project_error
+    from lit_rlhf.cli_errors import in_setup_hook, project_error
 
     def setup():
         raise ValueError("SFTDataModule: bad")
@@ -139,7 +139,7 @@ def test_errors_from_steps_keep_their_traceback():
 
 
 def test_the_config_writing_a_missing_folder_is_found_in_the_working_directory_and_the_checkout(tmp_path, monkeypatch):
-    from lit_rlhf.cli import config_writing, missing_folder_hints
+    from lit_rlhf.cli_errors import config_writing, missing_folder_hints
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "configs").mkdir()

@@ -343,7 +343,7 @@ def test_damaged_last_checkpoint_is_named(content, problem, tiny_data_dir, tmp_p
 def test_last_is_the_newest_last_checkpoint_as_lightning_resolves_it(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lit_rlhf.cli import find_last_checkpoint
+    from lit_rlhf.cli_resume import find_last_checkpoint
 
     folder = tmp_path / "ckpt"
     trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
@@ -359,7 +359,7 @@ def test_last_is_the_newest_last_checkpoint_as_lightning_resolves_it(tmp_path):
 
 
 def test_checkpoint_without_class_path_is_compared_by_its_weights(tokenizer_dir):
-    from lit_rlhf.cli import CheckpointInfo
+    from lit_rlhf.cli_resume import CheckpointInfo
     from lit_rlhf.models import ModelSpec
     from lit_rlhf.modules import DPOModule
 
@@ -375,7 +375,7 @@ def test_checkpoint_without_class_path_is_compared_by_its_weights(tokenizer_dir)
 def test_fixed_hyper_parameters_are_compared_generically():
     from lightning.pytorch import LightningModule
 
-    from lit_rlhf.cli import CheckpointInfo
+    from lit_rlhf.cli_resume import CheckpointInfo
 
     class Online(LightningModule):
         fixed_on_resume = ("update.groups",)

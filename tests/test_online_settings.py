@@ -15,7 +15,7 @@ from conftest import gpt2_config
 from ppo_helpers import prompt_loader, tiny_critic_free, trainer
 
 from lit_rlhf import functional as F
-from lit_rlhf.cli import moved_keys_message
+from lit_rlhf.cli_errors import moved_keys_message
 from lit_rlhf.modules import CriticFreeModule, OnlineRLModule, PPOModule
 from lit_rlhf.modules import online_migration as M
 from lit_rlhf.modules import online_settings as S

@@ -16,7 +16,7 @@ Shapes: B rollout rows, P prompt length (left-padded), T response length (right-
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, is_dataclass
@@ -57,14 +57,13 @@ from lit_rlhf.modules.online_settings import (
 from lit_rlhf.modules.online_update import OnlineUpdate
 from lit_rlhf.replay import ReplayBuffer
 from lit_rlhf.rewards import RewardSource
-from lit_rlhf.rollout import GenerationSettings, Rollout
+from lit_rlhf.rollout import GenerationSettings
 from lit_rlhf.settings import Settings
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
     "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
 )  # fmt: skip
-LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # set while load_from_checkpoint constructs a module: flat hyper-parameters of old checkpoints are mapped
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)
 
