@@ -3,6 +3,8 @@
 - :class:`RolloutEngine`: the protocol (``generate``, ``sync_weights``, ``sleep``/``wake_up``, ``close``);
 - :class:`Responses`: what ``generate`` returns (ids, masks, truncation flags, behaviour log-probs);
 - :class:`HFEngine`: Hugging Face ``generate`` on the trainer's policy (the default);
+- ``lit_rlhf.engines.vllm.VLLMEngine`` (``engine: vllm``): vLLM in the trainer process, synced after every
+  update (the optional ``vllm`` extra; imported only when used);
 - :func:`build_engine`: an engine from what a user passes (an instance, a name, a ``class_path`` dict).
 """
 
@@ -11,13 +13,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lit_rlhf.engines.base import Responses, RolloutEngine, check_responses
+from lit_rlhf.engines.base import ENGINE_STATS, Responses, RolloutEngine, check_responses
 from lit_rlhf.engines.hf import HFEngine
 
 # short names an ``engine:`` argument may give instead of a class path
-ENGINES: dict[str, str] = {"hf": "lit_rlhf.engines.HFEngine"}
+ENGINES: dict[str, str] = {"hf": "lit_rlhf.engines.HFEngine", "vllm": "lit_rlhf.engines.vllm.VLLMEngine"}
 
-__all__ = ["ENGINES", "HFEngine", "Responses", "RolloutEngine", "build_engine", "check_responses", "engine_hparams"]
+__all__ = ["ENGINE_STATS", "ENGINES", "HFEngine", "Responses", "RolloutEngine", "build_engine", "check_responses", "engine_hparams"]
 
 
 def _import_class(path: str, argument: str) -> type:

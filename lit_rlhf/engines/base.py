@@ -12,6 +12,10 @@ from typing import Any, NamedTuple
 import torch
 
 
+# what RolloutEngine.stats may report (logged as rollout/engine_<name>)
+ENGINE_STATS = ("generate_s", "sync_s")
+
+
 class Responses(NamedTuple):
     """What an engine returns for a batch of prompt rows.
 
@@ -26,7 +30,8 @@ class Responses(NamedTuple):
         log_kept_mass: (B, T) float32 log of the probability mass the top-k/top-p truncation kept of the
             tempered distribution at each step (0 without truncation and where ``mask`` is 0), so
             ``logprobs + log_kept_mass`` is the sampled token's log-prob under the untruncated tempered
-            distribution, the one the trainer scores. None when ``logprobs`` is None.
+            distribution, the one the trainer scores. None when ``logprobs`` is None or the engine cannot
+            tell (vLLM: the trainer-vs-engine ratio then includes the dropped mass).
         loss_mask: (B, T) bool, the tokens the policy emitted and learns from (None = ``mask``: a
             single-turn response; a multi-turn one has holes where tool or environment tokens are).
     """
@@ -98,6 +103,12 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Release the engine's resources; optional."""
         return None
+
+    def stats(self) -> dict[str, float]:
+        """Figures of the last rollout the module logs as ``rollout/engine_<name>`` (names from
+        :data:`ENGINE_STATS`: ``generate_s``, the last generation's seconds; ``sync_s``, the last weight
+        sync's, i.e. the one after the previous update); none by default."""
+        return {}
 
     def init_args(self) -> dict[str, Any]:
         """The engine's constructor arguments as plain values (stored in ``hparams.yaml``)."""

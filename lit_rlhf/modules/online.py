@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.data.base import resolve_seed
-from lit_rlhf.engines import RolloutEngine, build_engine, engine_hparams
+from lit_rlhf.engines import ENGINE_STATS, RolloutEngine, build_engine, engine_hparams
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
     ModelSpec,
@@ -63,6 +63,7 @@ from lit_rlhf.settings import Settings
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
     "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
+    *(f"engine_{name}" for name in ENGINE_STATS),
 )  # fmt: skip
 # set while load_from_checkpoint constructs a module: flat hyper-parameters of old checkpoints are mapped
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)

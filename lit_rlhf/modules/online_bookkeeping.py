@@ -37,7 +37,8 @@ class OnlineBookkeeping(LightningModule):
     ) -> None:
         """Rollout-level metrics of a ``Sample`` (``online.Sample``), reduced across ranks by torchmetrics:
         KL and entropy over the learned tokens, lengths over the response tokens, group statistics when
-        K >= 2, and the engine-vs-trainer mismatch when the engine gave behaviour log-probs."""
+        K >= 2, the engine-vs-trainer mismatch when the engine gave behaviour log-probs, and the engine's own
+        timings (``RolloutEngine.stats``: ``engine_generate_s``, ``engine_sync_s``) when it reports them."""
         responses, mask = sample.responses, sample.loss_mask
         stats = {
             "score": scores.mean(),
@@ -53,6 +54,7 @@ class OnlineBookkeeping(LightningModule):
             )
         if responses.logprobs is not None:
             stats.update(F.behavior_mismatch_stats(old_logprobs, responses.logprobs, responses.log_kept_mass, mask))
+        stats.update({f"engine_{name}": value for name, value in self.engine.stats().items()})
         self.rollout_metrics.update(stats)
 
     def build_rollout(self, sample: Any, old_logprobs, ref_logprobs, advantages, scores, **fields: Any) -> Rollout:

@@ -1,0 +1,95 @@
+"""The mapping between the rollout's tensors and vLLM's requests: :class:`~lit_rlhf.rollout.GenerationSettings`
+-> ``vllm.SamplingParams`` (one request per prompt, ``n = K``), and vLLM's outputs -> :class:`Responses`.
+
+Shapes: B rows (G prompts x K samples, each prompt's K rows contiguous), P prompt length (left-padded),
+T response length (right-padded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_rlhf.engines.base import Responses
+from lit_rlhf.models.prefill import is_grouped
+
+__all__ = ["PAD_LOGIT_BIAS", "responses_from_outputs", "sampling_requests"]
+
+# vLLM clamps a logit bias to [-100, 100]; exp(-100) ~ 4e-44 of mass leaves every float32 log-prob of the
+# other tokens unchanged, so the pad token is as suppressed as Hugging Face's -inf makes it.
+PAD_LOGIT_BIAS = -100.0
+_SEED_RANGE = 2**31 - 1
+
+
+def sampling_requests(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Any, tokenizer: Any, greedy: bool
+) -> tuple[list[dict[str, list[int]]], list[Any], int]:
+    """vLLM prompts and sampling parameters for (B, P) left-padded rows.
+
+    Rows that come in contiguous groups of K = ``settings.num_samples`` copies of one prompt become one
+    request with ``n = K`` (the K samples share the prompt's prefill and cache); other rows one request
+    each. Each request gets a seed drawn from torch's global generator (greedy decoding draws none), so a
+    seeded run repeats and a resumed one continues the same stream.
+
+    Returns:
+        requests: ``[{"prompt_token_ids": [...]}, ...]`` without the padding; params: one
+        ``SamplingParams`` per request; n: responses per request (K or 1).
+    """
+    from vllm import SamplingParams
+
+    K = settings.num_samples
+    grouped = K > 1 and prompt_ids.shape[0] % K == 0 and is_grouped(prompt_ids, prompt_mask, K)
+    n = K if grouped else 1
+    rows = range(0, prompt_ids.shape[0], n)
+    requests = [{"prompt_token_ids": prompt_ids[i][prompt_mask[i].bool()].tolist()} for i in rows]
+    seeds = [None] * len(requests) if greedy else torch.randint(0, _SEED_RANGE, (len(requests),)).tolist()
+    common = dict(
+        n=n, max_tokens=settings.max_new_tokens,
+        stop_token_ids=[tokenizer.eos_token_id, *settings.stop_token_ids],
+        stop=list(settings.stop_strings) or None, detokenize=bool(settings.stop_strings),
+        logit_bias={tokenizer.pad_token_id: PAD_LOGIT_BIAS},
+    )  # fmt: skip
+    if greedy:
+        sampling = dict(temperature=0.0)
+    else:
+        sampling = dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, logprobs=0)
+    params = [SamplingParams(**common, **sampling, seed=seed) for seed in seeds]
+    return requests, params, n
+
+
+def responses_from_outputs(
+    outputs: list[Any], n: int, settings: Any, tokenizer: Any, greedy: bool, device: torch.device
+) -> Responses:
+    """vLLM's ``RequestOutput`` list (one per request, ``n`` completions each, in request order) as the
+    Hugging Face engine's ``Responses``: (B, T) ids padded with the pad id after each response, the mask
+    of its tokens (up to and including the stop id), truncated = no stop id within ``max_new_tokens``, and
+    the sampled tokens' log-probs under the distribution they were drawn from (None when greedy).
+
+    ``log_kept_mass`` is None: vLLM does not report the mass a top-k/top-p truncation (or the suppressed
+    pad token) removed, so the trainer-vs-engine ratio of these tokens includes it.
+    """
+    completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+    if len(completions) != len(outputs) * n:
+        raise RuntimeError(f"vLLM returned {len(completions)} completions for {len(outputs)} requests of n={n}")
+    B = len(completions)
+    T = max(1, max(len(c.token_ids) for c in completions))
+    ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    logprobs = None if greedy else torch.zeros(B, T, dtype=torch.float32)
+    for row, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = True
+        if logprobs is not None:
+            if c.logprobs is None or len(c.logprobs) != len(tokens):
+                raise RuntimeError("vLLM returned no log-prob for some sampled tokens (logprobs=0 was asked)")
+            logprobs[row, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+    stop_ids = torch.tensor([tokenizer.eos_token_id, *settings.stop_token_ids])
+    has_stop = (torch.isin(ids, stop_ids) & mask).any(dim=1)  # (B,)
+    truncated = ~has_stop & (mask.sum(dim=1) >= settings.max_new_tokens)  # (B,)
+    to = dict(device=device)
+    return Responses(
+        ids.to(**to), mask.to(**to), truncated.to(**to),
+        logprobs=None if logprobs is None else logprobs.to(**to),
+    )  # fmt: skip
