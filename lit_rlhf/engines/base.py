@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-
 # what RolloutEngine.stats may report (logged as rollout/engine_<name>)
 ENGINE_STATS = ("generate_s", "sync_s")
 
