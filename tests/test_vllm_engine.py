@@ -71,13 +71,14 @@ def prompts(tok, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def trainer_logprobs(model, tok, ids, mask, out, settings) -> torch.Tensor:
+def trainer_logprobs(model, tok, ids, mask, out, settings, suppress_pad: bool = True) -> torch.Tensor:
     """The trainer's log-probs of the sampled tokens under the sampling distribution (pad suppressed)."""
     full = torch.cat([ids, out.ids], 1)
     attention = torch.cat([mask, out.mask.long()], 1)
     logits = model(full, attention_mask=attention, position_ids=position_ids_from_mask(attention)).logits
     logits = logits[:, ids.shape[1] - 1 : -1].float()
-    logits[..., tok.pad_token_id] = float("-inf")
+    if suppress_pad:
+        logits[..., tok.pad_token_id] = float("-inf")
     logprobs, _ = F.truncated_logprobs(logits, out.ids, settings.temperature, settings.top_k, settings.top_p)
     return torch.where(out.mask, logprobs, 0.0)
 
@@ -102,7 +103,12 @@ def test_behaviour_logprobs_equal_the_trainers_under_the_same_truncation(engine,
     expected = trainer_logprobs(model, tok, ids, mask, out, settings)
     # each row scored with its own prompt: a response filed under another prompt would differ
     assert (expected - out.logprobs).abs().max().item() <= TOL
-    assert (out.logprobs[~out.mask] == 0).all()
+    assert (out.logprobs[~out.mask] == 0).all() and (out.log_kept_mass[~out.mask] == 0).all()
+    # behaviour + kept mass = the trainer's log-prob under the whole tempered distribution (pad included)
+    untruncated = trainer_logprobs(model, tok, ids, mask, out, GenerationSettings(temperature=settings.temperature),
+                                   suppress_pad=False)  # fmt: skip
+    assert (untruncated - (out.logprobs + out.log_kept_mass)).abs().max().item() <= TOL
+    assert (out.log_kept_mass <= 1e-6).all() and (out.log_kept_mass[out.mask] < 0).all()  # the pad's mass at least
     # a prompt's K rows are K draws, not one response repeated
     for g in range(len(PROMPTS)):
         group = out.ids[g * K : (g + 1) * K]

@@ -6,8 +6,10 @@ the actor's weights in memory through ``collective_rpc("reload_weights")`` (no c
 after every update. Sampling maps :class:`~lit_rlhf.rollout.GenerationSettings` exactly (temperature,
 top-k, top-p, EOS and stop ids, stop strings, ``max_new_tokens``; a prompt's K samples are one request
 with ``n = K``, so they share its prefix cache), with a per-request seed drawn from torch's global
-generator (a seeded run repeats; the run's random stream is otherwise left as it was). The behaviour
-log-probs are vLLM's ``processed_logprobs``: those of the distribution each token was sampled from.
+generator (a seeded run repeats; the run's random stream is otherwise left as it was). The logits are
+warped by Hugging Face's own warpers inside vLLM (:mod:`lit_rlhf.engines.vllm_processor`), so the sampling
+distribution is the Hugging Face engine's; the behaviour log-probs are vLLM's ``processed_logprobs`` of
+it, and the mass the warping kept is recorded per step (``Responses.log_kept_mass``).
 
 Conventions are the Hugging Face engine's (:mod:`lit_rlhf.engines.hf_generate`): a response holds its
 tokens up to and including the first EOS or stop id (then padding); it is truncated when it has no stop
@@ -133,6 +135,8 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(max(1, round(self._args["kv_cache_gib"]))))
         try:
             from vllm import LLM
+
+            from lit_rlhf.engines.vllm_processor import HFWarpProcessor
         except ImportError as err:
             raise ImportError(f"VLLMEngine needs vLLM ({INSTALL_HINT}): {err}") from err
         base = model.get_base_model() if is_lora(model) else model
@@ -147,7 +151,8 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=self._args["gpu_memory_utilization"],
             max_model_len=self._args["max_model_len"] or getattr(base.config, "max_position_embeddings", None),
             enable_prefix_caching=self._args["enable_prefix_caching"], enforce_eager=self._args["enforce_eager"],
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleeps(),
+            logprobs_mode="processed_logprobs", logits_processors=[HFWarpProcessor],
+            enable_sleep_mode=self._sleeps(),
             **self._args["engine_kwargs"],
         )  # fmt: skip
         with _preserved_process_state():  # vLLM seeds the global generators and patches torch
@@ -220,17 +225,22 @@ class VLLMEngine(RolloutEngine):
         if self._broken:
             raise RuntimeError(f"VLLMEngine.generate: the last weight sync did not finish ({self._broken}); "
                                "the engine's weights are unknown, so it does not sample until a sync succeeds")
+        from lit_rlhf.engines.vllm_processor import RECORDS
+
         requests, params, n = sampling_requests(prompt_ids, prompt_mask, settings, self.tokenizer, greedy)
+        RECORDS.clear()
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         self.timings["generate_s"] = time.perf_counter() - start
-        return responses_from_outputs(
-            outputs, n, settings, self.tokenizer, greedy, device=prompt_ids.device
-        )
+        try:
+            return responses_from_outputs(outputs, requests, n, settings, self.tokenizer, greedy, prompt_ids.device)
+        finally:
+            RECORDS.clear()
 
 
 # what VLLMEngine passes to vllm.LLM itself
-_RESERVED = ("model", "load_format", "dtype", "seed", "logprobs_mode", "enable_sleep_mode", "tokenizer")
+_RESERVED = ("model", "load_format", "dtype", "seed", "logprobs_mode", "logits_processors", "enable_sleep_mode",
+             "tokenizer")
 
 
 class _preserved_process_state:

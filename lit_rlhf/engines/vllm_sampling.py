@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from lit_rlhf.engines.base import Responses
+from lit_rlhf.engines.vllm_processor import kept_mass_lookup, warp_args
 from lit_rlhf.models.prefill import is_grouped
 
 __all__ = ["PAD_LOGIT_BIAS", "responses_from_outputs", "sampling_requests"]
 
-# vLLM clamps a logit bias to [-100, 100]; exp(-100) ~ 4e-44 of mass leaves every float32 log-prob of the
-# other tokens unchanged, so the pad token is as suppressed as Hugging Face's -inf makes it.
+# greedy decoding: vLLM clamps a logit bias to [-100, 100], enough to keep the pad token from the argmax
+# (sampling suppresses it in HFWarpProcessor, with -inf)
 PAD_LOGIT_BIAS = -100.0
 _SEED_RANGE = 2**31 - 1
 
@@ -48,26 +49,34 @@ def sampling_requests(
         n=n, max_tokens=settings.max_new_tokens,
         stop_token_ids=[tokenizer.eos_token_id, *settings.stop_token_ids],
         stop=list(settings.stop_strings) or None, detokenize=bool(settings.stop_strings),
-        logit_bias={tokenizer.pad_token_id: PAD_LOGIT_BIAS},
     )  # fmt: skip
     if greedy:
-        sampling = dict(temperature=0.0)
-    else:
-        sampling = dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, logprobs=0)
+        sampling = dict(temperature=0.0, logit_bias={tokenizer.pad_token_id: PAD_LOGIT_BIAS})
+    else:  # vLLM samples plainly from the logits HFWarpProcessor warped (see vllm_processor)
+        sampling = dict(temperature=1.0, top_k=0, top_p=1.0, logprobs=0,
+                        extra_args=warp_args(settings, tokenizer.pad_token_id))  # fmt: skip
     params = [SamplingParams(**common, **sampling, seed=seed) for seed in seeds]
     return requests, params, n
 
 
 def responses_from_outputs(
-    outputs: list[Any], n: int, settings: Any, tokenizer: Any, greedy: bool, device: torch.device
+    outputs: list[Any],
+    requests: list[dict[str, list[int]]],
+    n: int,
+    settings: Any,
+    tokenizer: Any,
+    greedy: bool,
+    device: torch.device,
 ) -> Responses:
-    """vLLM's ``RequestOutput`` list (one per request, ``n`` completions each, in request order) as the
-    Hugging Face engine's ``Responses``: (B, T) ids padded with the pad id after each response, the mask
-    of its tokens (up to and including the stop id), truncated = no stop id within ``max_new_tokens``, and
-    the sampled tokens' log-probs under the distribution they were drawn from (None when greedy).
+    """vLLM's ``RequestOutput`` list (one per request of ``requests``, ``n`` completions each, in request
+    order) as the Hugging Face engine's ``Responses``: (B, T) ids padded with the pad id after each
+    response, the mask of its tokens (up to and including the stop id), truncated = no stop id within
+    ``max_new_tokens``, the sampled tokens' log-probs under the distribution they were drawn from and the
+    log of the tempered mass that distribution kept (from ``vllm_processor.RECORDS``; both None when greedy).
 
-    ``log_kept_mass`` is None: vLLM does not report the mass a top-k/top-p truncation (or the suppressed
-    pad token) removed, so the trainer-vs-engine ratio of these tokens includes it.
+    Raises:
+        RuntimeError: vLLM returned fewer completions or log-probs than asked, or a step's kept mass was
+            not recorded.
     """
     completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
     if len(completions) != len(outputs) * n:
@@ -77,6 +86,8 @@ def responses_from_outputs(
     ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
     logprobs = None if greedy else torch.zeros(B, T, dtype=torch.float32)
+    log_kept_mass = None if greedy else torch.zeros(B, T, dtype=torch.float32)
+    kept = {} if greedy else kept_mass_lookup()
     for row, c in enumerate(completions):
         tokens = list(c.token_ids)
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -85,6 +96,10 @@ def responses_from_outputs(
             if c.logprobs is None or len(c.logprobs) != len(tokens):
                 raise RuntimeError("vLLM returned no log-prob for some sampled tokens (logprobs=0 was asked)")
             logprobs[row, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+            record = kept.get((tuple(requests[row // n]["prompt_token_ids"]), tuple(tokens)), {})
+            if any(t not in record for t in range(len(tokens))):
+                raise RuntimeError(f"VLLMEngine: the kept mass of response {row} was not recorded at every step")
+            log_kept_mass[row, : len(tokens)] = torch.tensor([record[t] for t in range(len(tokens))])
     stop_ids = torch.tensor([tokenizer.eos_token_id, *settings.stop_token_ids])
     has_stop = (torch.isin(ids, stop_ids) & mask).any(dim=1)  # (B,)
     truncated = ~has_stop & (mask.sum(dim=1) >= settings.max_new_tokens)  # (B,)
@@ -92,4 +107,5 @@ def responses_from_outputs(
     return Responses(
         ids.to(**to), mask.to(**to), truncated.to(**to),
         logprobs=None if logprobs is None else logprobs.to(**to),
+        log_kept_mass=None if log_kept_mass is None else log_kept_mass.to(**to),
     )  # fmt: skip
