@@ -72,8 +72,15 @@ def test_token_truncate_by_hand():
 def test_token_mask_by_hand():
     weights, stats = _run("token_mask", cap=2.0, low=0.3)  # 3, 4 above the band, 0.25 below
     torch.testing.assert_close(weights, _placed([[1.0, 0.0, 0.5], [0.0, 1.0, 0.0]]))
-    _close(stats, {"is_weight_mean": 2.5 / 6, "is_weight_max": 1.0, "is_masked_frac": 3 / 6,
-                   "is_ess": 2.5**2 / (6 * 2.25)})  # fmt: skip
+    _close(
+        stats,
+        {
+            "is_weight_mean": 2.5 / 6,
+            "is_weight_max": 1.0,
+            "is_masked_frac": 3 / 6,
+            "is_ess": 2.5**2 / (6 * 2.25),
+        },
+    )
     no_low, _ = _run("token_mask", cap=2.0)  # TRL's band: above the cap only
     torch.testing.assert_close(no_low, _placed([[1.0, 0.0, 0.5], [0.0, 1.0, 0.25]]))
 
@@ -82,21 +89,41 @@ def test_sequence_modes_by_hand():
     # product: rho_0 = 1 * 3 * 0.5 = 1.5, rho_1 = 4 * 1 * 0.25 = 1 (the hole is not a token of row 1)
     weights, stats = _run("sequence_truncate", cap=2.0)
     torch.testing.assert_close(weights, _placed([[1.5] * 3, [1.0] * 3]))
-    _close(stats, {"is_weight_mean": 1.25, "is_weight_max": 1.5, "is_clipped_frac": 0.0, "is_ess": 6.25 / 6.5,
-                   "is_seq_ratio_mean": 1.25, "is_seq_ratio_max": 1.5})  # fmt: skip
+    _close(
+        stats,
+        {
+            "is_weight_mean": 1.25,
+            "is_weight_max": 1.5,
+            "is_clipped_frac": 0.0,
+            "is_ess": 6.25 / 6.5,
+            "is_seq_ratio_mean": 1.25,
+            "is_seq_ratio_max": 1.5,
+        },
+    )
     weights, stats = _run("sequence_truncate", cap=1.2)
     torch.testing.assert_close(weights, _placed([[1.2] * 3, [1.0] * 3]))
     assert float(stats["is_clipped_frac"]) == 0.5
     weights, stats = _run("sequence_mask", cap=1.2, low=0.3)
     torch.testing.assert_close(weights, _placed([[0.0] * 3, [1.0] * 3]))
-    _close(stats, {"is_weight_mean": 0.5, "is_weight_max": 1.0, "is_masked_frac": 0.5, "is_ess": 0.5,
-                   "is_seq_ratio_mean": 1.25, "is_seq_ratio_max": 1.5})  # fmt: skip
+    _close(
+        stats,
+        {
+            "is_weight_mean": 0.5,
+            "is_weight_max": 1.0,
+            "is_masked_frac": 0.5,
+            "is_ess": 0.5,
+            "is_seq_ratio_mean": 1.25,
+            "is_seq_ratio_max": 1.5,
+        },
+    )
 
 
 def test_geometric_mean_sequence_ratio_by_hand():
     geo = 1.5 ** (1 / 3)  # 1.1447: row 0's per-token geometric mean; row 1's is 1
-    torch.testing.assert_close(F.sequence_log_ratio(F.behavior_log_ratio(*_inputs(), MASK), MASK, "geometric_mean"),
-                               torch.tensor([math.log(geo), 0.0], dtype=torch.float64))  # fmt: skip
+    torch.testing.assert_close(
+        F.sequence_log_ratio(F.behavior_log_ratio(*_inputs(), MASK), MASK, "geometric_mean"),
+        torch.tensor([math.log(geo), 0.0], dtype=torch.float64),
+    )
     weights, stats = _run("sequence_mask", cap=1.1, low=0.9, sequence_ratio="geometric_mean")
     torch.testing.assert_close(weights, _placed([[0.0] * 3, [1.0] * 3]))
     assert float(stats["is_seq_ratio_max"]) == pytest.approx(geo)
@@ -109,7 +136,9 @@ def test_a_row_without_learned_tokens_is_no_unit_and_an_empty_mask_gives_zeros()
     old, behavior, kept = _inputs([[1.0, 3.0, 0.5], []], mask)
     weights, stats = F.is_correction_weights(old, behavior, kept, mask, "sequence_truncate")
     torch.testing.assert_close(weights, _placed([[1.5] * 3, []], mask))
-    assert float(stats["is_weight_mean"]) == pytest.approx(1.5) and float(stats["is_ess"]) == pytest.approx(1.0)
+    assert float(stats["is_weight_mean"]) == pytest.approx(1.5) and float(stats["is_ess"]) == pytest.approx(
+        1.0
+    )
     empty = torch.zeros_like(mask)
     for mode in F.IS_CORRECTION_MODES:
         weights, stats = F.is_correction_weights(old, behavior, kept, empty, mode)
@@ -181,7 +210,9 @@ def test_ppo_policy_loss_weights_each_tokens_term_by_hand(aggregation, level):
     unweighted, unweighted_stats = F.ppo_policy_loss(logprobs, old, advantages, MASK, 0.2, **kw)
     ones, _ = F.ppo_policy_loss(logprobs, old, advantages, MASK, 0.2, weights=torch.ones(2, 4), **kw)
     assert torch.equal(ones, unweighted), "weights of 1 change nothing"
-    assert stats.keys() == unweighted_stats.keys() and float(stats["ratio_mean"]) == float(unweighted_stats["ratio_mean"])
+    assert stats.keys() == unweighted_stats.keys() and float(stats["ratio_mean"]) == float(
+        unweighted_stats["ratio_mean"]
+    )
 
 
 def test_kl_penalty_policy_loss_weights_the_whole_token_term_and_ignores_padding():
@@ -211,8 +242,14 @@ def _case(log_ratios, mask_rows):
 
 
 @settings(max_examples=60, deadline=None)
-@given(_ROWS, _MASKS, st.sampled_from(F.IS_CORRECTION_MODES), st.floats(1.0, 5.0), st.floats(0.0, 1.0),
-       st.sampled_from(F.IS_SEQUENCE_RATIOS))  # fmt: skip
+@given(
+    _ROWS,
+    _MASKS,
+    st.sampled_from(F.IS_CORRECTION_MODES),
+    st.floats(1.0, 5.0),
+    st.floats(0.0, 1.0),
+    st.sampled_from(F.IS_SEQUENCE_RATIOS),
+)
 def test_weights_lie_in_zero_to_cap_and_vanish_off_the_mask(log_ratios, mask_rows, mode, cap, low, ratio):
     old, behavior, kept, mask = _case(log_ratios, mask_rows)
     weights, stats = F.is_correction_weights(old, behavior, kept, mask, mode, cap, low, ratio)
@@ -222,8 +259,14 @@ def test_weights_lie_in_zero_to_cap_and_vanish_off_the_mask(log_ratios, mask_row
 
 
 @settings(max_examples=40, deadline=None)
-@given(_ROWS, _MASKS, st.sampled_from(F.IS_CORRECTION_MODES), st.floats(1.0, 5.0), st.floats(0.0, 1.0),
-       st.sampled_from(F.IS_SEQUENCE_RATIOS))  # fmt: skip
+@given(
+    _ROWS,
+    _MASKS,
+    st.sampled_from(F.IS_CORRECTION_MODES),
+    st.floats(1.0, 5.0),
+    st.floats(0.0, 1.0),
+    st.sampled_from(F.IS_SEQUENCE_RATIOS),
+)
 def test_no_mismatch_gives_weight_one_everywhere(log_ratios, mask_rows, mode, cap, low, ratio):
     old, _, kept, mask = _case([[0.0] * 4 for _ in log_ratios], mask_rows)
     weights, stats = F.is_correction_weights(old, old - kept, kept, mask, mode, cap, low, ratio)
@@ -234,8 +277,15 @@ def test_no_mismatch_gives_weight_one_everywhere(log_ratios, mask_rows, mode, ca
 
 
 @settings(max_examples=60, deadline=None)
-@given(_ROWS, _MASKS, st.sampled_from(["token_mask", "sequence_mask"]), st.floats(1.0, 4.0), st.floats(0.0, 3.0),
-       st.floats(0.0, 1.0), st.floats(0.0, 1.0))  # fmt: skip
+@given(
+    _ROWS,
+    _MASKS,
+    st.sampled_from(["token_mask", "sequence_mask"]),
+    st.floats(1.0, 4.0),
+    st.floats(0.0, 3.0),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1.0),
+)
 def test_masking_is_monotone_in_the_band(log_ratios, mask_rows, mode, cap, more, low, less):
     # a band that contains another masks a subset of its tokens, and keeps the weight of every kept one
     old, behavior, kept, mask = _case(log_ratios, mask_rows)
@@ -264,7 +314,9 @@ def test_holes_are_skipped_as_if_removed(log_ratios, mask_rows, mode, ratio):
     weights, stats = F.is_correction_weights(old, behavior, kept, mask, mode, 2.0, 0.0, ratio)
     packed = [F.compact_left(x, mask) for x in (old, behavior, kept)]
     compact_mask = packed[0][1]
-    compact, compact_stats = F.is_correction_weights(*(p[0] for p in packed), compact_mask, mode, 2.0, 0.0, ratio)
+    compact, compact_stats = F.is_correction_weights(
+        *(p[0] for p in packed), compact_mask, mode, 2.0, 0.0, ratio
+    )
     torch.testing.assert_close(F.scatter_back(compact, packed[0][2], mask), weights)
     for key, value in stats.items():
         torch.testing.assert_close(compact_stats[key], value, msg=key)

@@ -103,7 +103,9 @@ def behavior_log_ratio(
     return torch.where(mask, as_float(old_logprobs) - mu, 0.0)  # (B, T)
 
 
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, sequence_ratio: str = "product") -> torch.Tensor:
+def sequence_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, sequence_ratio: str = "product"
+) -> torch.Tensor:
     """log rho_i of each response: sum_t d_t (``product``) or mean_t d_t (``geometric_mean``) over its
     learned tokens.
 
@@ -118,7 +120,9 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, sequence_rat
     fn = "sequence_log_ratio"
     check_same_shape(fn, log_ratio=log_ratio, mask=mask)
     if sequence_ratio not in IS_SEQUENCE_RATIOS:
-        raise ValueError(f"{fn}: unknown `sequence_ratio` {sequence_ratio!r}; expected one of {list(IS_SEQUENCE_RATIOS)}")
+        raise ValueError(
+            f"{fn}: unknown `sequence_ratio` {sequence_ratio!r}; expected one of {list(IS_SEQUENCE_RATIOS)}"
+        )
     total = masked_row_sum(as_float(log_ratio), mask)  # (B,)
     if sequence_ratio == "product":
         return total
@@ -132,7 +136,7 @@ def truncated_weights(log_ratio: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def band_weights(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """exp(d) where low <= exp(d) <= high, else 0, of log-ratios of any shape (``low`` = 0: no lower bound)."""
+    """exp(d) where low <= exp(d) <= high, else 0, of log-ratios of any shape (``low`` 0: no lower bound)."""
     fn = "band_weights"
     check_number(fn, "low", low, low=0.0, low_inclusive=True, high=1.0)
     check_number(fn, "high", high, low=1.0, low_inclusive=True)
@@ -144,7 +148,8 @@ def band_weights(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tens
 
 def normalized_ess(weights: torch.Tensor) -> torch.Tensor:
     """(sum w)^2 / (N sum w^2) of N weights: Kish's effective sample size over N (Owen 2013, "Monte Carlo
-    theory, methods and examples", ch. 9), in (0, 1], 1 when all weights are equal; 0 when all are 0 or N = 0."""
+    theory, methods and examples", ch. 9), in (0, 1], 1 when all weights are equal; 0 when all are 0 or
+    N = 0."""
     w = as_float(weights).flatten()  # (N,)
     squares = w.square().sum()
     if w.numel() == 0 or squares == 0:
@@ -197,38 +202,41 @@ def is_correction_weights(
     log_ratio = behavior_log_ratio(old_logprobs, behavior_logprobs, log_kept_mass, mask)  # (B, T)
     level, bound = mode.split("_")
     if level == "token":
-        unit_log_ratio, units = log_ratio[mask], mask  # (N,) and the (B, T) units
+        units = mask  # (B, T) the learned tokens
+        unit_log_ratio = log_ratio[mask]  # (N,)
     else:
-        rows = mask.any(dim=1)  # (B,) responses with learned tokens
-        unit_log_ratio, units = sequence_log_ratio(log_ratio, mask, sequence_ratio)[rows], rows[:, None] & mask
-    unit_weights = truncated_weights(unit_log_ratio, cap) if bound == "truncate" else band_weights(unit_log_ratio, low, cap)
-    weights = torch.zeros_like(log_ratio)  # (B, T)
-    if level == "token":
-        weights[mask] = unit_weights
+        units = mask.any(dim=1)  # (B,) the responses with learned tokens
+        unit_log_ratio = sequence_log_ratio(log_ratio, mask, sequence_ratio)[units]  # (N,)
+    if bound == "truncate":
+        unit_weights = truncated_weights(unit_log_ratio, cap)  # (N,)
     else:
-        per_row = torch.zeros(mask.shape[0], dtype=log_ratio.dtype, device=log_ratio.device)  # (B,)
-        per_row[rows] = unit_weights
-        weights = torch.where(units, per_row[:, None], 0.0)  # (B, T)
+        unit_weights = band_weights(unit_log_ratio, low, cap)  # (N,)
+    placed = torch.zeros(units.shape, dtype=log_ratio.dtype, device=log_ratio.device)  # (B, T) or (B,)
+    placed[units] = unit_weights
+    weights = placed if level == "token" else torch.where(mask, placed[:, None], 0.0)  # (B, T)
     return weights, _unit_stats(unit_log_ratio, unit_weights, mode, cap, low)
 
 
 def _unit_stats(
     unit_log_ratio: torch.Tensor, unit_weights: torch.Tensor, mode: str, cap: float, low: float
 ) -> dict[str, torch.Tensor]:
-    """:func:`is_correction_weights`' stats from the (N,) units' log-ratios and weights."""
+    """:func:`is_correction_weights`' stats from the (N,) units' log-ratios and weights (all 0 if N = 0)."""
     level, bound = mode.split("_")
-    zero = unit_weights.new_zeros(())
+    sequence = level == "sequence"
+    frac = "is_clipped_frac" if bound == "truncate" else "is_masked_frac"
+    names = ["is_weight_mean", "is_weight_max", frac, "is_ess"]
+    names += ["is_seq_ratio_mean", "is_seq_ratio_max"] if sequence else []
     if unit_weights.numel() == 0:
-        names = ["is_weight_mean", "is_weight_max", f"is_{'clipped' if bound == 'truncate' else 'masked'}_frac", "is_ess"]
-        return dict.fromkeys(names + (["is_seq_ratio_mean", "is_seq_ratio_max"] if level == "sequence" else []), zero)
-    stats = {"is_weight_mean": unit_weights.mean(), "is_weight_max": unit_weights.max()}
-    if bound == "truncate":
-        stats["is_clipped_frac"] = (unit_log_ratio > math.log(cap)).to(unit_weights.dtype).mean()
-    else:
-        below = unit_log_ratio < math.log(low) if low > 0 else torch.zeros_like(unit_log_ratio, dtype=torch.bool)
-        stats["is_masked_frac"] = (below | (unit_log_ratio > math.log(cap))).to(unit_weights.dtype).mean()
-    stats["is_ess"] = normalized_ess(unit_weights)
-    if level == "sequence":
+        return dict.fromkeys(names, unit_weights.new_zeros(()))
+    above = unit_log_ratio > math.log(cap)  # (N,)
+    outside = above | (unit_log_ratio < math.log(low)) if low > 0 else above  # (N,)
+    stats = {
+        "is_weight_mean": unit_weights.mean(),
+        "is_weight_max": unit_weights.max(),
+        frac: (above if bound == "truncate" else outside).to(unit_weights.dtype).mean(),
+        "is_ess": normalized_ess(unit_weights),
+    }
+    if sequence:
         ratio = torch.exp(unit_log_ratio.clamp(-_STATS_LOG_BOUND, _STATS_LOG_BOUND))  # (N,)
         stats.update(is_seq_ratio_mean=ratio.mean(), is_seq_ratio_max=ratio.max())
     return stats

@@ -199,7 +199,9 @@ def _sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T)
 
 
-def _weighted(fn: str, token_terms: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+def _weighted(
+    fn: str, token_terms: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor:
     """(B, T) per-token terms times the detached (B, T) ``weights`` on the mask (unchanged when None)."""
     if weights is None:
         return token_terms

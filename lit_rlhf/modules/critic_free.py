@@ -173,7 +173,8 @@ class CriticFreeModule(OnlineRLModule):
         aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.generation.max_new_tokens)
         pg_loss, stats = F.ppo_policy_loss(
             logprobs, old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
-            importance_sampling_level=update.importance_sampling_level, weights=part.is_weights, **aggregation,
+            importance_sampling_level=update.importance_sampling_level, weights=part.is_weights,
+            **aggregation,
         )  # fmt: skip
         mean_entropy = F.masked_mean(entropy, mask)
         loss = pg_loss - update.ent_coef * mean_entropy

@@ -58,8 +58,8 @@ class OnlineBookkeeping(LightningModule):
         self.rollout_metrics.update(stats)
 
     def build_rollout(self, sample: Any, old_logprobs, ref_logprobs, advantages, scores, **fields: Any) -> Rollout:
-        """The Rollout of a ``Sample`` and its scoring (``old_values``, ``rewards``, ``returns`` as given), with
-        the weights of the engine/trainer correction when ``update.is_correction`` applies to it."""
+        """The Rollout of a ``Sample`` and its scoring (``old_values``, ``rewards``, ``returns`` as given),
+        with the weights of the engine/trainer correction when ``update.is_correction`` applies to it."""
         return Rollout(
             sample.input_ids, sample.attention_mask, sample.responses.mask, old_logprobs, ref_logprobs,
             fields.get("old_values"), fields.get("rewards"), advantages, fields.get("returns"), scores,
@@ -78,7 +78,9 @@ class OnlineBookkeeping(LightningModule):
         if mode is None:
             return None
         if old_logprobs is None:
-            raise RuntimeError(f"{type(self).__name__}: a corrected rollout needs the old log-probs of the scoring forward")
+            raise RuntimeError(
+                f"{type(self).__name__}: a corrected rollout needs the old log-probs of the scoring forward"
+            )
         settings, responses = self.update.is_correction, sample.responses
         weights, stats = F.is_correction_weights(
             old_logprobs, responses.logprobs, responses.log_kept_mass, sample.loss_mask, mode,

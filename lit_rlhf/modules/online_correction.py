@@ -21,7 +21,9 @@ from lit_rlhf.settings import Settings
 
 __all__ = ["AUTO_IS_CORRECTION_MODE", "ISCorrectionMode", "ISCorrectionSettings"]
 
-ISCorrectionMode = Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+ISCorrectionMode = Literal[
+    "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+]
 # what "auto" means for an engine that is not the trainer's own policy: TIS with C = 2 (Yao et al. 2025)
 AUTO_IS_CORRECTION_MODE = "token_truncate"
 
@@ -69,7 +71,8 @@ class ISCorrectionSettings(Settings):
         self.require("cap", self.cap >= 1.0, ">= 1 (a ratio of 1, no mismatch, must keep weight 1)")
         self.require("low", 0.0 <= self.low <= 1.0, "in [0, 1]")
         if self.low > 0:
-            self.require("low", self.mode.endswith("_mask"), "0 unless mode is token_mask or sequence_mask (the band's lower end)")
+            self.require("low", self.mode.endswith("_mask"),
+                         "0 unless mode is token_mask or sequence_mask (the band's lower end)")  # fmt: skip
         if self.sequence_ratio != "product":
             self.require("sequence_ratio", self.mode.startswith("sequence_"),
                          "'product' unless mode is sequence_truncate or sequence_mask")  # fmt: skip
@@ -93,8 +96,8 @@ class ISCorrectionSettings(Settings):
             return None if off else AUTO_IS_CORRECTION_MODE
         if responses.logprobs is None:
             raise ValueError(
-                f"{where}: update.is_correction.mode={self.mode!r} needs the engine's behaviour log-probs, and "
-                f"{type(engine).__name__}.generate returned none (Responses.logprobs is None); use mode 'auto' "
-                "or 'none', or an engine that records them"
+                f"{where}: update.is_correction.mode={self.mode!r} needs the engine's behaviour log-probs, "
+                f"and {type(engine).__name__}.generate returned none (Responses.logprobs is None); use mode "
+                "'auto' or 'none', or an engine that records them"
             )
         return self.mode

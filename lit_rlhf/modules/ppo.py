@@ -171,12 +171,13 @@ class PPOModule(OnlineRLModule):
         if update.policy_loss == "clip":
             pg_loss, pg_stats = F.ppo_policy_loss(
                 logprobs, part.old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
-                importance_sampling_level=update.importance_sampling_level, weights=part.is_weights, **aggregation,
+                importance_sampling_level=update.importance_sampling_level, weights=part.is_weights,
+                **aggregation,
             )  # fmt: skip
         else:
             pg_loss, pg_stats = F.kl_penalty_policy_loss(
-                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value, weights=part.is_weights,
-                **aggregation,
+                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value,
+                weights=part.is_weights, **aggregation,
             )  # fmt: skip
         vf_loss, vf_stats = F.clipped_value_loss(values, part.old_values, part.returns, mask, update.clip_coef_value)
         mean_entropy = F.masked_mean(entropy, mask)
