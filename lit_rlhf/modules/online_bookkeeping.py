@@ -69,7 +69,8 @@ class OnlineBookkeeping(LightningModule):
 
     def correction_mode(self, responses: Any) -> str | None:
         """The ``update.is_correction`` mode of a rollout of these ``Responses`` (None: uncorrected)."""
-        return self.update.is_correction.resolve(self.engine, responses, type(self).__name__)
+        truncates = self.generation.top_k > 0 or self.generation.top_p < 1.0
+        return self.update.is_correction.resolve(self.engine, responses, type(self).__name__, truncates)
 
     def is_correction_weights(self, sample: Any, old_logprobs: torch.Tensor | None) -> torch.Tensor | None:
         """(B, T) weights pi_old / mu of a ``Sample``'s learned tokens (``functional.is_correction_weights``),

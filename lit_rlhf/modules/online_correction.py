@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lit_rlhf.functional.registry import IS_CORRECTION_MODES, IS_SEQUENCE_RATIOS
 from lit_rlhf.settings import Settings
 
@@ -52,7 +54,9 @@ class ISCorrectionSettings(Settings):
             likelihood ratio (TRL), or ``geometric_mean`` exp(mean_t log rho_t), which does not compound
             with length (verl's ``geometric``; its bands are narrow, e.g. low 0.999, cap 1.001).
 
-    An explicit mode with an engine that returns no behaviour log-probs fails at the first rollout. A
+    An explicit mode with an engine that returns no behaviour log-probs, or none of the mass its
+    top-k/top-p truncation kept (``Responses.log_kept_mass``), fails at the first rollout (``auto`` stays
+    off then, warning in the second case: see :meth:`resolve`). A
     corrected rollout always runs the actor's scoring forward for the old log-probs (the critic-free
     ``update.old_logprobs_from_update`` shortcut is skipped: the weights must exist before the update).
     """
@@ -77,27 +81,47 @@ class ISCorrectionSettings(Settings):
             self.require("sequence_ratio", self.mode.startswith("sequence_"),
                          "'product' unless mode is sequence_truncate or sequence_mask")  # fmt: skip
 
-    def resolve(self, engine: Any, responses: Any, where: str) -> str | None:
+    def resolve(self, engine: Any, responses: Any, where: str, truncates: bool = False) -> str | None:
         """The mode of one rollout, or None for no correction.
+
+        Weights need the engine's log-probs on the trainer's support, so under a top-k/top-p truncation
+        (``truncates``) the engine must report its ``log_kept_mass``: without it the ratio would hold the
+        kept mass Z_t <= 1 (no policy change: every token's gradient shrunk by it, and a sequence ratio,
+        their product, masking every long response). ``auto`` then stays off, with a warning; an explicit
+        mode refuses.
 
         Args:
             engine: the module's ``RolloutEngine`` (its ``uses_policy`` decides ``auto``).
             responses: the rollout's ``lit_rlhf.engines.Responses`` (its ``logprobs`` must exist for an
                 explicit mode).
-            where: the module's name, for the message.
+            where: the module's name, for the messages.
+            truncates: the rollout's sampling truncates (``generation.top_k`` > 0 or ``top_p`` < 1).
 
         Raises:
-            ValueError: an explicit mode, and the engine returned no behaviour log-probs.
+            ValueError: an explicit mode, and the engine returned no behaviour log-probs, or none of the
+                kept mass of its truncation.
         """
-        if self.mode == "none":
+        if self.mode == "none" or (self.mode == "auto" and getattr(engine, "uses_policy", False)):
             return None
-        if self.mode == "auto":
-            off = getattr(engine, "uses_policy", False) or responses.logprobs is None
-            return None if off else AUTO_IS_CORRECTION_MODE
+        name = type(engine).__name__
         if responses.logprobs is None:
+            if self.mode == "auto":
+                return None
             raise ValueError(
                 f"{where}: update.is_correction.mode={self.mode!r} needs the engine's behaviour log-probs, "
-                f"and {type(engine).__name__}.generate returned none (Responses.logprobs is None); use mode "
-                "'auto' or 'none', or an engine that records them"
+                f"and {name}.generate returned none (Responses.logprobs is None); use mode 'auto' or 'none', "
+                "or an engine that records them"
             )
-        return self.mode
+        if truncates and responses.log_kept_mass is None:
+            problem = (
+                f"{name} samples with top-k/top-p truncation but returned no Responses.log_kept_mass, so "
+                "pi_old / mu would include the kept mass (not a policy change)"
+            )
+            if self.mode == "auto":
+                rank_zero_warn(f"{where}: update.is_correction 'auto' is off: {problem}")
+                return None
+            raise ValueError(
+                f"{where}: update.is_correction.mode={self.mode!r}: {problem}; use an engine that reports "
+                "it, sampling without top_k/top_p, or mode 'none'"
+            )
+        return AUTO_IS_CORRECTION_MODE if self.mode == "auto" else self.mode
