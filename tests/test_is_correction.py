@@ -15,6 +15,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from test_ppo import StopAfter
 
 from lit_rlhf import functional as F
 from lit_rlhf.engines import HFEngine, Responses, RolloutEngine
+from lit_rlhf.modules.online_correction import ISCorrectionMode
 from lit_rlhf.modules.online_settings import ISCorrectionSettings, UpdateSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,6 +300,12 @@ def test_the_settings_check_themselves_naming_the_key(values, message):
         TypeError, match=r"update.is_correction: unknown ISCorrectionSettings field\(s\) \['clip'\]"
     ):
         UpdateSettings(is_correction={"clip": 2.0})
+
+
+def test_the_mode_names_come_from_the_registry():
+    hints = {f.name: f.type for f in ISCorrectionSettings.__dataclass_fields__.values()}
+    assert get_args(ISCorrectionMode) == ("auto", "none", *F.IS_CORRECTION_MODES)
+    assert str(list(F.IS_SEQUENCE_RATIOS))[1:-1] in str(hints["sequence_ratio"])
 
 
 def test_a_module_names_the_group_and_stores_it_as_plain_values(tokenizer_dir):
