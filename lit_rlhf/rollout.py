@@ -129,6 +129,9 @@ class Rollout:
         loss_mask: (B, T) bool, the tokens learned from (None as built = ``response_mask``).
         behavior_logprobs: (B, T) float32 log-probs of the tokens under the distribution the engine
             sampled them from (``lit_rlhf.engines.Responses.logprobs``; None when the engine gives none).
+        is_weights: (B, T) float32 weights of the engine/trainer importance-sampling correction of each
+            learned token's policy-gradient loss, 0 off ``loss_mask`` (``functional.is_correction_weights``,
+            computed once per rollout; None = no correction).
 
     ``old_logprobs`` is None when the update computes them: one on-policy optimiser step per rollout,
     see :class:`UpdateRecord`.
@@ -147,6 +150,7 @@ class Rollout:
     rows: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     behavior_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:

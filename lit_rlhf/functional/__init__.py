@@ -16,6 +16,15 @@ from lit_rlhf.functional.advantages import (
     sequence_advantages,
 )
 from lit_rlhf.functional.behavior import BEHAVIOR_MISMATCH_STATS, behavior_mismatch_stats
+from lit_rlhf.functional.is_correction import (
+    IS_CORRECTION_STATS,
+    band_weights,
+    behavior_log_ratio,
+    is_correction_weights,
+    normalized_ess,
+    sequence_log_ratio,
+    truncated_weights,
+)
 from lit_rlhf.functional.kl import kl_penalty, kl_shaped_rewards, masked_kl
 from lit_rlhf.functional.kl_controllers import (
     AdaptiveKLController,
@@ -46,6 +55,8 @@ from lit_rlhf.functional.registry import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
     IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTION_MODES,
+    IS_SEQUENCE_RATIOS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
@@ -74,6 +85,15 @@ __all__ = [
     "BEHAVIOR_MISMATCH_STATS",
     "POLICY_LOSSES",
     "behavior_mismatch_stats",
+    "IS_CORRECTION_MODES",
+    "IS_CORRECTION_STATS",
+    "IS_SEQUENCE_RATIOS",
+    "band_weights",
+    "behavior_log_ratio",
+    "is_correction_weights",
+    "normalized_ess",
+    "sequence_log_ratio",
+    "truncated_weights",
     "GROUP_ESTIMATORS",
     "SEQUENCE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",

@@ -121,6 +121,7 @@ def ppo_policy_loss(
     loss_aggregation: str = "token_mean",
     max_response_length: int | None = None,
     importance_sampling_level: str = "token",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-Clip: -aggregate(min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)), r = exp(logprobs - old_logprobs).
 
@@ -135,6 +136,9 @@ def ppo_policy_loss(
       the masked tokens of the response, the length-normalised sequence likelihood ratio, clipped as a
       whole.
     - ``loss_aggregation``: see :func:`aggregate_loss`.
+    - ``weights``: each token's term times w_t before the aggregation, e.g. the engine/trainer
+      importance-sampling correction (:func:`~lit_rlhf.functional.is_correction_weights`; TIS, Yao et al.
+      2025, https://fengyao.notion.site/off-policy-rl: min(pi_old/mu, C) times the clipped term).
 
     Args:
         logprobs: (B, T) log-probs of the current policy (with grad).
@@ -147,6 +151,7 @@ def ppo_policy_loss(
         loss_aggregation: one of ``LOSS_AGGREGATIONS``.
         max_response_length: the constant of ``seq_mean_token_sum_norm``.
         importance_sampling_level: ``token`` (PPO) or ``sequence`` (GSPO).
+        weights: (B, T) per-token weights, constants (detached here), or None (all 1).
 
     Returns:
         (loss, stats): stats has ``clipfrac`` (share of masked tokens where the clipped term is taken),
@@ -164,7 +169,8 @@ def ppo_policy_loss(
         ratio = _sequence_ratio(log_ratio, mask)  # (B, T): s_i on every masked token
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef_high)  # (B, T)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_aggregation, max_response_length)
+    token_losses = _weighted("ppo_policy_loss", torch.maximum(unclipped, clipped), weights, mask)  # (B, T)
+    loss = aggregate_loss(token_losses, mask, loss_aggregation, max_response_length)
     stats["clipfrac"] = masked_mean((clipped > unclipped).float(), mask).detach()
     return loss, stats
 
@@ -191,6 +197,16 @@ def _sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     seq_log_ratio = masked_row_sum(log_ratio, mask).unsqueeze(1) / lengths  # (B, 1)
     return torch.where(mask, torch.exp(seq_log_ratio), 0.0)  # (B, T)
+
+
+def _weighted(
+    fn: str, token_terms: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, T) per-token terms times the detached (B, T) ``weights`` on the mask (unchanged when None)."""
+    if weights is None:
+        return token_terms
+    check_same_shape(fn, response_mask=mask, weights=weights)
+    return token_terms * torch.where(mask, as_float(weights.detach()), 0.0)  # (B, T)
 
 
 def reference_kl_loss(
@@ -237,6 +253,7 @@ def kl_penalty_policy_loss(
     beta: float,
     loss_aggregation: str = "token_mean",
     max_response_length: int | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-Penalty: -aggregate(r * A - beta * KL_t(old || new)), r = exp(logprobs - old_logprobs).
 
@@ -252,6 +269,8 @@ def kl_penalty_policy_loss(
             (tool/environment tokens), which are skipped as if removed.
         beta: >= 0 (0 gives the plain importance-sampled surrogate -mean(r * A)).
         loss_aggregation, max_response_length: see :func:`aggregate_loss`.
+        weights: (B, T) per-token weights of the whole term (its KL estimate is a sample mean under
+            pi_old too), as in :func:`ppo_policy_loss`; None = all 1.
 
     Returns:
         (loss, stats): stats has ``approx_kl``, ``policy_kl``, ``ratio_mean``, ``ratio_max`` as in
@@ -264,9 +283,8 @@ def kl_penalty_policy_loss(
     check_number(fn, "beta", beta, low=0.0, low_inclusive=True)
     mask, log_ratio, ratio, advantages = _ratio_terms(logprobs, old_logprobs, advantages, response_mask)
     kl_old_new = -log_ratio
-    loss = -aggregate_loss(
-        ratio * advantages - beta * kl_old_new, mask, loss_aggregation, max_response_length
-    )
+    token_terms = _weighted(fn, ratio * advantages - beta * kl_old_new, weights, mask)  # (B, T)
+    loss = -aggregate_loss(token_terms, mask, loss_aggregation, max_response_length)
     return loss, _ratio_stats(mask, log_ratio, ratio)
 
 

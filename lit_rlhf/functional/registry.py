@@ -12,6 +12,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
+    "IS_CORRECTION_MODES",
+    "IS_SEQUENCE_RATIOS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
@@ -53,6 +55,10 @@ GROUP_ESTIMATORS = tuple(k for k, v in ADVANTAGE_ESTIMATORS.items() if v.needs_g
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # token ratios (PPO, GRPO) or one ratio per response (GSPO, Zheng et al. 2025, arXiv:2507.18071)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# the engine/trainer importance-sampling correction (functional.is_correction; TRL's
+# vllm_importance_sampling_mode names), and how a response's ratio is formed in its sequence modes
+IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_SEQUENCE_RATIOS = ("product", "geometric_mean")
 # per-token KL estimators (Schulman 2020, http://joschu.net/blog/kl-approx.html)
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 # PPO's policy losses: clipped surrogate (arXiv:1707.06347 eq. 7) or adaptive KL penalty (eq. 8)

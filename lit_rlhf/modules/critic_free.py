@@ -49,7 +49,8 @@ class CriticFreeModule(OnlineRLModule):
             ``GenerationSettings(num_samples=4)``. ``num_samples`` is K, the responses per prompt.
         update: the update phase (``CriticFreeUpdate``: epochs, minibatches, clip ranges, loss aggregation,
             importance-sampling level, entropy bonus, gradient clip, ratio threshold,
-            ``old_logprobs_from_update``).
+            ``old_logprobs_from_update``, and ``is_correction``, the engine/trainer importance-sampling
+            weights of the policy loss).
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
@@ -96,8 +97,9 @@ class CriticFreeModule(OnlineRLModule):
         sample = self.sample(batch)
         ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: reference log-probs and sequence scores, and the old log-probs and
-        #    entropy unless the update's one on-policy step computes them (None then).
-        on_policy = self.on_policy_update
+        #    entropy unless the update's one on-policy step computes them (None then; never for a rollout
+        #    the engine/trainer correction weights, whose weights need them now).
+        on_policy = self.on_policy_update and self.correction_mode(sample.responses) is None
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, policy=not on_policy)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated)
         # 3. Advantages of the chosen estimator, per token.
@@ -171,7 +173,8 @@ class CriticFreeModule(OnlineRLModule):
         aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.generation.max_new_tokens)
         pg_loss, stats = F.ppo_policy_loss(
             logprobs, old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
-            importance_sampling_level=update.importance_sampling_level, **aggregation,
+            importance_sampling_level=update.importance_sampling_level, weights=part.is_weights,
+            **aggregation,
         )  # fmt: skip
         mean_entropy = F.masked_mean(entropy, mask)
         loss = pg_loss - update.ent_coef * mean_entropy

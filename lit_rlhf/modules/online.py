@@ -64,6 +64,7 @@ ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
     "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
     *(f"engine_{name}" for name in ENGINE_STATS),
+    *F.IS_CORRECTION_STATS,
 )  # fmt: skip
 # set while load_from_checkpoint constructs a module: flat hyper-parameters of old checkpoints are mapped
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)
@@ -100,7 +101,8 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
             (``HFEngine``); a name (``hf``), a ``{class_path, init_args}`` dict or an engine instance.
         generation: sampling settings of the rollout (``GenerationSettings`` or a dict of its fields);
             ``num_samples`` is K, the responses per prompt.
-        update: the update phase (``UpdateSettings``: epochs, minibatches, clip ranges, loss aggregation, ...).
+        update: the update phase (``UpdateSettings``: epochs, minibatches, clip ranges, loss aggregation, ...,
+            and ``is_correction``, the importance-sampling correction of the engine/trainer mismatch).
         kl: the KL to the reference (``KLSettings``: in the reward, adaptive or fixed, and in the loss).
         scoring: the rollout's no-grad forwards and its scores (``ScoringSettings``: forward batch size,
             bucketing, shared prefix, score clip, missing-EOS penalty, non-finite scores).

@@ -58,12 +58,37 @@ class OnlineBookkeeping(LightningModule):
         self.rollout_metrics.update(stats)
 
     def build_rollout(self, sample: Any, old_logprobs, ref_logprobs, advantages, scores, **fields: Any) -> Rollout:
-        """The Rollout of a ``Sample`` and its scoring (``old_values``, ``rewards``, ``returns`` as given)."""
+        """The Rollout of a ``Sample`` and its scoring (``old_values``, ``rewards``, ``returns`` as given),
+        with the weights of the engine/trainer correction when ``update.is_correction`` applies to it."""
         return Rollout(
             sample.input_ids, sample.attention_mask, sample.responses.mask, old_logprobs, ref_logprobs,
             fields.get("old_values"), fields.get("rewards"), advantages, fields.get("returns"), scores,
             loss_mask=sample.loss_mask, behavior_logprobs=sample.responses.logprobs,
+            is_weights=self.is_correction_weights(sample, old_logprobs),
         )  # fmt: skip
+
+    def correction_mode(self, responses: Any) -> str | None:
+        """The ``update.is_correction`` mode of a rollout of these ``Responses`` (None: uncorrected)."""
+        truncates = self.generation.top_k > 0 or self.generation.top_p < 1.0
+        return self.update.is_correction.resolve(self.engine, responses, type(self).__name__, truncates)
+
+    def is_correction_weights(self, sample: Any, old_logprobs: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T) weights pi_old / mu of a ``Sample``'s learned tokens (``functional.is_correction_weights``),
+        their statistics logged as ``rollout/is_*``; None when the rollout is uncorrected."""
+        mode = self.correction_mode(sample.responses)
+        if mode is None:
+            return None
+        if old_logprobs is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a corrected rollout needs the old log-probs of the scoring forward"
+            )
+        settings, responses = self.update.is_correction, sample.responses
+        weights, stats = F.is_correction_weights(
+            old_logprobs, responses.logprobs, responses.log_kept_mass, sample.loss_mask, mode,
+            settings.cap, settings.low, settings.sequence_ratio,
+        )  # fmt: skip
+        self.rollout_metrics.update(stats)
+        return weights
 
     def optimizers_and_schedulers(self, models: list[torch.nn.Module], factories) -> Any:
         """``configure_optimizers``'s return for ``models`` and their (optimiser, scheduler) factories: one

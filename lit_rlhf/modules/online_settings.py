@@ -4,7 +4,8 @@ Each group is one constructor argument (a dataclass, a dict of its fields in YAM
 its defaults) that checks itself with messages naming the key (``update.clip_coef must be > 0``):
 
 ======================  =======================================================================
-``update``              the update phase: epochs, minibatches, clip ranges, loss aggregation, ...
+``update``              the update phase: epochs, minibatches, clip ranges, loss aggregation, the
+                        engine/trainer importance-sampling correction (``update.is_correction``), ...
 ``kl``                  the KL to the reference: in the reward (coefficient, adaptive target) and in the loss
 ``scoring``             the rollout's no-grad forwards and its scores: batch size, bucketing, shared prefix,
                         score clip, missing-EOS penalty, what a non-finite score does
@@ -29,6 +30,7 @@ from lit_rlhf.functional.registry import (
     POLICY_LOSSES,
     SEQUENCE_ESTIMATORS,
 )
+from lit_rlhf.modules.online_correction import ISCorrectionSettings
 from lit_rlhf.rollout import GenerationSettings
 from lit_rlhf.settings import Settings
 
@@ -37,6 +39,7 @@ __all__ = [
     "CriticFreeUpdate",
     "EvaluationSettings",
     "GAESettings",
+    "ISCorrectionSettings",
     "KLSettings",
     "PPOUpdate",
     "SampleSettings",
@@ -72,6 +75,10 @@ class UpdateSettings(Settings):
         ent_coef: weight of the entropy bonus.
         max_grad_norm: gradient-norm clip per optimiser (None = off).
         ratio_threshold: skip a minibatch whose mean ratio exceeds this (None = never skip).
+        is_correction: the importance-sampling correction of the engine/trainer mismatch
+            (``ISCorrectionSettings`` or a dict of its fields: ``mode`` auto, none, token_truncate,
+            token_mask, sequence_truncate or sequence_mask, ``cap``, ``low``, ``sequence_ratio``); the default
+            ``auto`` corrects (TIS, C = 2) only for an engine that is not the trainer's own policy.
     """
 
     group: ClassVar[str] = "update"
@@ -86,8 +93,10 @@ class UpdateSettings(Settings):
     ent_coef: float = 0.0
     max_grad_norm: float | None = 1.0
     ratio_threshold: float | None = 10.0
+    is_correction: ISCorrectionSettings | dict | None = None
 
     def __post_init__(self) -> None:
+        self.is_correction = ISCorrectionSettings.coerce(self.is_correction, "update.is_correction")
         self.require_finite(*(f.name for f in fields(self)))
         for name in ("epochs", "num_minibatches", "clip_coef"):
             self.require(name, getattr(self, name) > 0, "> 0")
@@ -137,7 +146,8 @@ class CriticFreeUpdate(UpdateSettings):
             ``num_minibatches`` = 1) and no KL penalty in the reward (``kl.coef`` = 0), take the old
             log-probs and the rollout entropy from that step's own forward instead of a separate scoring
             forward of the actor: its policy is the rollout policy, so the ratio is exactly 1 (TRL's
-            GRPOTrainer does the same). False always runs the scoring forward.
+            GRPOTrainer does the same). False always runs the scoring forward, and so does a rollout
+            that ``is_correction`` weights (its weights need the old log-probs before the update).
     """
 
     old_logprobs_from_update: bool = True

@@ -50,7 +50,8 @@ class PPOModule(OnlineRLModule):
             from a function.
         share_critic_backbone: a value head on the actor's backbone instead of a separate critic.
         update: the update phase (``PPOUpdate``: epochs, minibatches, clip ranges, loss aggregation, entropy
-            bonus, gradient clip, ratio threshold, ``policy_loss`` clip or kl_penalty, value loss).
+            bonus, gradient clip, ratio threshold, ``policy_loss`` clip or kl_penalty, value loss, and
+            ``is_correction``, the engine/trainer importance-sampling weights of the policy loss).
         advantage: GAE (``GAESettings``: gamma, gae_lambda, whitening of advantages and rewards).
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         critic_optimizer: optimiser factory of the critic (or the shared value head); default AdamW at
@@ -170,12 +171,14 @@ class PPOModule(OnlineRLModule):
         if update.policy_loss == "clip":
             pg_loss, pg_stats = F.ppo_policy_loss(
                 logprobs, part.old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
-                importance_sampling_level=update.importance_sampling_level, **aggregation,
+                importance_sampling_level=update.importance_sampling_level, weights=part.is_weights,
+                **aggregation,
             )  # fmt: skip
         else:
             pg_loss, pg_stats = F.kl_penalty_policy_loss(
-                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value, **aggregation
-            )
+                logprobs, part.old_logprobs, part.advantages, mask, self.beta_ctl.value,
+                weights=part.is_weights, **aggregation,
+            )  # fmt: skip
         vf_loss, vf_stats = F.clipped_value_loss(values, part.old_values, part.returns, mask, update.clip_coef_value)
         mean_entropy = F.masked_mean(entropy, mask)
         loss = pg_loss - update.ent_coef * mean_entropy + update.vf_coef * vf_loss
