@@ -1,6 +1,8 @@
 # The two set-up commands of the README:
 #   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/)
-#   make test   - ruff + the default test suite (not the slow end-to-end fits nor the multi-process tests)
+#   make test   - ruff + the default test suite (not the slow end-to-end fits nor the multi-process tests),
+#                 then the vLLM engine's tests against the real vLLM in .venv-vllm (built beside the main
+#                 suite, in the background: vLLM pins an older transformers than the main environment's)
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
 # the default is the CPU wheel this project's machines carry; a GPU user sets e.g.
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
@@ -9,8 +11,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+TEST_MARKERS ?= not slow and not distributed and not vllm
+VLLM_VENV ?= .venv-vllm
+VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_fits.py
 
-.PHONY: venv test test-all lint demo clean
+.PHONY: venv test test-all test-vllm lint demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +30,30 @@ lint: venv
 	$(VENV)/bin/ruff check lit_rlhf tests scripts
 
 # pytest exits 5 when it collects no test: that is a failure here too, with a clear message.
+# The vLLM environment builds while the main suite runs; scripts/vllm_env.sh exits 3 where vLLM cannot
+# run (the one line printed then says why, and the rest of the run decides the result).
 test: venv lint
-	$(PY) -m pytest -m "not slow and not distributed" -q $(PYTEST_ARGS) || { rc=$$?; \
-	  [ $$rc -eq 5 ] && echo "make test: pytest collected no tests"; exit $$rc; }
+	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & env_pid=$$!; \
+	$(PY) -m pytest -m "$(TEST_MARKERS)" -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; fi; \
+	wait $$env_pid; env_rc=$$?; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$env_rc
+
+test-vllm: venv
+	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1; \
+	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$?
+
+vllm-tests:
+	@if [ "$(ENV_RC)" = 0 ]; then \
+	  echo "vLLM engine tests ($$(tail -n 1 $(VLLM_VENV).log)):"; \
+	  $(VLLM_VENV)/bin/python -m pytest -m vllm -q -p no:cacheprovider $(VLLM_TESTS); \
+	elif [ "$(ENV_RC)" = 3 ]; then \
+	  echo "make test: the vLLM engine's tests did not run: $$(tail -n 1 $(VLLM_VENV).log)"; \
+	else \
+	  echo "make test: building the vLLM environment failed (exit $(ENV_RC)); its log, $(VLLM_VENV).log, ends:"; \
+	  tail -n 20 $(VLLM_VENV).log; exit 1; \
+	fi
 
 test-all: venv lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -36,4 +62,4 @@ demo: venv
 	$(PY) -m lit_rlhf.demo.pipeline --out runs/demo
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log runs .pytest_cache .ruff_cache

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (make test-vllm)")
 pytestmark = pytest.mark.vllm
 
+from conftest import gpt2_config  # noqa: E402
 from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer  # noqa: E402
 from test_online_contract import read_metrics  # noqa: E402
 from test_vllm_engine import vllm_llama  # noqa: E402
@@ -54,12 +55,14 @@ def test_grpo_with_the_vllm_engine_raises_the_rule_reward_and_repeats(tokenizer_
 
 
 def test_ppo_with_the_vllm_engine_raises_the_rule_reward(tokenizer_dir, tmp_path):
+    # test_ppo's rule-reward fit (16 prompts a rollout, the count of "the"), on a GPT-2 of head dim 32; its
+    # sparse reward is first found at rollout 18 with this engine's draws (rollout 7 with Hugging Face's)
     torch.manual_seed(0)
-    module = tiny_ppo(tokenizer_dir, vllm_llama(322), engine=ENGINE, reward_fn=REWARD, max_rollouts=12)
-    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=8))
+    module = tiny_ppo(tokenizer_dir, {**gpt2_config(), "n_embd": 64}, engine=ENGINE, max_rollouts=24)
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))
     rows = read_metrics(tmp_path)
     first, last = score_rise(rows)
-    assert last > first + 0.06, (first, last)
+    assert last > first + 1.0, (first, last)
     assert_on_policy(rows)
 
 

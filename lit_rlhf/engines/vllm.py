@@ -25,6 +25,7 @@ T response length (right-padded).
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import tempfile
@@ -141,7 +142,9 @@ class VLLMEngine(RolloutEngine):
             raise ImportError(f"VLLMEngine needs vLLM ({INSTALL_HINT}): {err}") from err
         base = model.get_base_model() if is_lora(model) else model
         self._folder = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
-        base.config.save_pretrained(self._folder.name)
+        config = copy.deepcopy(base.config)
+        config.architectures = [type(base).__name__]  # a config built from a dict has none: vLLM would guess
+        config.save_pretrained(self._folder.name)
         tokenizer.save_pretrained(self._folder.name)
         dtype = self._args["dtype"]
         if dtype == "auto":
