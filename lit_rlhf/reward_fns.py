@@ -10,8 +10,8 @@ Two calling forms are accepted, told apart by the function's signature (:func:`r
 
 - this project's ``fn(prompts, responses, **columns)``: two positional parameters (the decoded prompt and
   response strings), called positionally;
-- TRL's ``fn(completions, **kwargs)``: a parameter named ``completions`` (or only ``**kwargs``), called
-  with keywords only: ``prompts``, ``completions`` (the decoded responses), ``completion_ids`` (each
+- TRL's ``fn(completions, **kwargs)``: a parameter named ``completions`` or ``completion_ids``, or
+  ``**kwargs`` with fewer than two positional parameters (``fn(**kwargs)``), called with keywords only: ``prompts``, ``completions`` (the decoded responses), ``completion_ids`` (each
   response's token ids, a list of ints, up to and including its stop token) and the prompt rows' other
   columns (``answer=[...]``, one value per response). TRL's ``None`` ("no reward for this row") is read as NaN.
 
@@ -37,7 +37,7 @@ RewardFn = Callable[..., Sequence[float]]
 PASSED = ("prompts", "completions", "completion_ids")
 FORMS = (
     "this project's fn(prompts, responses, **columns) (two positional parameters) nor TRL's "
-    "fn(completions, **kwargs) (a parameter named `completions`)"
+    "fn(completions, **kwargs) (a parameter named `completions` or `completion_ids`, or only **kwargs)"
 )
 
 
@@ -127,9 +127,9 @@ def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None)
     kind = inspect.Parameter
     var_keyword = any(p.kind is kind.VAR_KEYWORD for p in params)
     positional = [p for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
-    completions = signature.parameters.get("completions")
-    trl = completions is not None and completions.kind is not kind.POSITIONAL_ONLY
-    form = "trl" if trl or (var_keyword and not positional) else "pairs"
+    by_name = [signature.parameters.get(key) for key in ("completions", "completion_ids")]
+    trl = any(p is not None and p.kind is not kind.POSITIONAL_ONLY for p in by_name)
+    form = "trl" if trl or (var_keyword and len(positional) < 2) else "pairs"
     where = f"{name}: {getattr(fn, '__name__', type(fn).__name__)}{signature}"
     given = [] if form == "trl" else positional[:2]  # the pairs form's (prompts, responses)
     if form == "pairs" and len(given) < 2 and not any(p.kind is kind.VAR_POSITIONAL for p in params):

@@ -60,13 +60,16 @@ class RewardTerm(Settings):
 
 
 def reward_terms(value: Any, argument: str = "reward_fn") -> list[RewardTerm]:
-    """The checked terms of a ``reward_fn`` list (RewardTerms or dicts of their fields); errors name the entry."""
+    """The checked terms of a ``reward_fn`` list (RewardTerms, dicts of their fields, or ``module:function``
+    strings of weight 1); errors name the entry."""
     if not isinstance(value, (list, tuple)) or not value:
         raise TypeError(
             f"{argument}: expected 'package.module:function' or a non-empty list of {{fn, weight}} entries, got {value!r:.200}"
         )
     terms = []
     for i, entry in enumerate(value):
+        if isinstance(entry, str):  # a function of weight 1
+            entry = {"fn": entry}
         if isinstance(entry, Mapping) and "fn" not in entry:
             raise TypeError(f"{argument}[{i}]: missing `fn` ('package.module:function'), got {dict(entry)!r:.200}")
         try:
@@ -90,15 +93,15 @@ class RewardSource(torch.nn.Module):
 
     Args:
         reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), or None.
-        reward_fn: ``package.module:function``, a list of :class:`RewardTerm` (or dicts of their fields)
-            whose weighted sum is the score, or None.
+        reward_fn: ``package.module:function``, a list of :class:`RewardTerm` (or dicts of their fields, or
+            ``module:function`` strings of weight 1) whose weighted sum is the score, or None.
         tokenizer: the actor's tokenizer.
         argument: the config argument that named the scorer (``reward_fn``, ``monitor_reward_fn``), for
             error messages.
     """
 
     def __init__(
-        self, reward_model: Any, reward_fn: str | Sequence[RewardTerm | dict] | None, tokenizer: Any,
+        self, reward_model: Any, reward_fn: str | Sequence[RewardTerm | dict | str] | None, tokenizer: Any,
         argument: str = "reward_fn",
     ) -> None:  # fmt: skip
         super().__init__()

@@ -95,8 +95,9 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
         reward_fn: ``package.module:function`` scoring the responses (this project's ``fn(prompts, responses,
             **columns)`` or TRL's ``fn(completions, **kwargs)``, see ``lit_rlhf.reward_fns``), or a list of
-            ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``) whose weighted sum is the score,
-            each function's raw score logged as ``rollout/reward/<name>``.
+            ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``; a plain ``module:function`` has
+            weight 1) whose weighted sum is the score, each function's raw score logged as
+            ``rollout/reward/<name>``.
         monitor_reward_fn: a second ``module:function`` scorer that is only logged
             (``rollout/monitor_score``), never optimised: e.g. a gold reward beside a proxy reward model.
         engine: the rollout engine (``lit_rlhf.engines``): None = Hugging Face ``generate`` on the actor
@@ -134,7 +135,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         actor: ModelSpec | dict | str,
         reference: ModelSpec | dict | str | None = None,
         reward_model: ModelSpec | dict | str | None = None,
-        reward_fn: str | list[RewardTerm | dict] | None = None,
+        reward_fn: str | list[RewardTerm | dict | str] | None = None,
         monitor_reward_fn: str | None = None,
         engine: RolloutEngine | dict | str | None = None,
         generation: GenerationSettings | dict | None = None,
