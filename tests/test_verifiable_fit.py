@@ -70,18 +70,24 @@ def math_rows(n: int) -> list[dict]:
 
 
 def test_unparseable_gold_answers_are_counted_and_dropped(tokenizer_dir, tmp_path):
-    data = prompt_data(tokenizer_dir, tmp_path, math_rows(8), batch_size=4)
+    data = prompt_data(tokenizer_dir, tmp_path, math_rows(8), batch_size=4, val_path=None, val_fraction=0.5)
     terms = [{"fn": "lit_rlhf.verifiable:accuracy"}, {"fn": "lit_rlhf.verifiable:format_reward", "weight": 0.5}]
     module = tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=terms, max_rollouts=2,
                               scoring={"on_nonfinite": "drop"}, generation={"max_new_tokens": 4, "num_samples": 2})  # fmt: skip
     with pytest.warns(UserWarning, match=r"cannot parse the gold answer '\?\?\?'"):
-        trainer(tmp_path).fit(module, datamodule=data)
-    rollouts = [r for r in all_rows(tmp_path) if "rollout/score" in r]
+        trainer(tmp_path, check_val_every_n_epoch=None, val_check_interval=1).fit(module, datamodule=data)
+    rows = all_rows(tmp_path)
+    bad = [sum(a == "???" for a in split["column:answer"]) for split in (data.train_dataset, data.val_dataset)]
+    assert bad[0] > 0 and 0 < bad[1] < 4  # the seeded carve: bad gold answers in both splits, a good one in val
+    rollouts = [r for r in rows if "rollout/score" in r]
     assert len(rollouts) == 2
-    for row in rollouts:  # 2 of the 4 prompts have a bad gold answer: their 2 x K = 4 rows are counted and dropped
-        assert row["rollout/reward_nonfinite/accuracy"] == 4.0 and row["rollout/nonfinite_scores"] == 4.0
+    for row in rollouts:  # each bad prompt's K = 2 rows are counted and dropped
+        assert row["rollout/reward_nonfinite/accuracy"] == row["rollout/nonfinite_scores"] == 2.0 * bad[0]
         assert row["rollout/reward_nonfinite/format_reward"] == 0.0
         assert row["rollout/reward/accuracy"] == 0.0  # the finite ones: the random policy writes no 1/2
+    evaluations = [r for r in rows if "val/score" in r]
+    k = module.eval_generation.num_samples  # the evaluation's responses per prompt
+    assert evaluations and all(r["val/reward_nonfinite/accuracy"] == k * bad[1] for r in evaluations)
 
 
 def test_an_unparseable_gold_answer_stops_the_run_under_raise(tokenizer_dir, tmp_path):
