@@ -1,4 +1,4 @@
-"""Reward functions named in a config (``reward_fn: package.module:function``): import, calling form, output checks.
+"""Reward functions named in a config (``reward_fn: package.module:function``): import, calling form, checks.
 
 Importing a reward module runs its code (as any ``class_path`` in a LightningCLI config does); whatever
 it raises is reported with the argument and the module named. A reward function's output is checked
@@ -8,17 +8,18 @@ Finiteness is checked later, per rollout, by :func:`lit_rlhf.guards.screen_score
 
 Two calling forms are accepted, told apart by the function's signature (:func:`reward_call`):
 
-- this project's ``fn(prompts, responses, **columns)``: two positional parameters (the decoded prompt and
-  response strings), called positionally;
+- this project's ``fn(prompts, responses, **columns)``: two positional parameters, given the decoded
+  prompt and response strings positionally;
 - TRL's ``fn(completions, **kwargs)``: a parameter named ``completions`` or ``completion_ids``, or
-  ``**kwargs`` with fewer than two positional parameters (``fn(**kwargs)``), called with keywords only: ``prompts``, ``completions`` (the decoded responses), ``completion_ids`` (each
-  response's token ids, a list of ints, up to and including its stop token) and the prompt rows' other
-  columns (``answer=[...]``, one value per response). TRL's ``None`` ("no reward for this row") is read as NaN.
+  ``**kwargs`` with fewer than two positional parameters (``fn(**kwargs)``); called with keywords only,
+  ``prompts`` and ``completions`` (the decoded responses) among them. TRL's ``None`` ("no reward for this
+  row") is read as NaN.
 
-In both forms every keyword is a list with one entry per response (a prompt's K responses share its row's
-values), plus the fixed ``kwargs`` a config gives the function; a function without ``**kwargs`` receives only
-the keywords it names, and one naming a keyword that is neither given nor a column is refused at the call
-with the columns listed.
+Both forms may take by keyword ``completion_ids`` (each response's token ids, a list of ints, its stop
+token included), the prompt rows' other columns (``answer=[...]``) and the fixed ``kwargs`` a config gives
+the function. Every keyword but the fixed ones is a list with one entry per response (a prompt's K
+responses share its row's values). A function without ``**kwargs`` receives only the keywords it names; one
+naming a keyword that is neither given nor a column is refused at the call, with the columns listed.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class RewardCall:
     """How a reward function is called, read from its signature by :func:`reward_call`.
 
     Attributes:
-        form: ``"pairs"`` (``fn(prompts, responses, **columns)``) or ``"trl"`` (``fn(completions, **kwargs)``).
+        form: ``"pairs"`` (``fn(prompts, responses, **columns)``) or ``"trl"``
+            (``fn(completions, **kwargs)``).
         keywords: the keyword parameters it names (None: any, it has ``**kwargs``).
         required: the keyword parameters it needs (no default).
     """
@@ -134,14 +136,22 @@ def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None)
     given = [] if form == "trl" else positional[:2]  # the pairs form's (prompts, responses)
     if form == "pairs" and len(given) < 2 and not any(p.kind is kind.VAR_POSITIONAL for p in params):
         raise TypeError(f"{where} fits neither {FORMS}")
-    unpassable = [p.name for p in positional if p.kind is kind.POSITIONAL_ONLY and p.default is p.empty and p not in given]
+    unpassable = [
+        p.name for p in positional
+        if p.kind is kind.POSITIONAL_ONLY and p.default is p.empty and p not in given
+    ]
     if unpassable:
-        raise TypeError(f"{where}: positional-only parameter(s) {unpassable} cannot be passed; it fits neither {FORMS}")
-    named = [p for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY) and p not in given]
+        raise TypeError(
+            f"{where}: positional-only parameter(s) {unpassable} cannot be passed; it fits neither {FORMS}"
+        )
+    keyword_kinds = (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in keyword_kinds and p not in given]
     keywords = None if var_keyword else frozenset(p.name for p in named)
     bad = sorted(k for k in fixed if k in PASSED or (keywords is not None and k not in keywords))
     if bad:
-        raise TypeError(f"{where}: kwargs {bad} are not keywords it takes (lit_rlhf passes {list(PASSED)} itself)")
+        raise TypeError(
+            f"{where}: kwargs {bad} are not keywords it takes (lit_rlhf passes {list(PASSED)} itself)"
+        )
     required = tuple(p.name for p in named if p.default is p.empty and p.name not in fixed)
     return RewardCall(form, keywords, required)
 

@@ -47,15 +47,18 @@ class RewardTerm(Settings):
     kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self.require("fn", isinstance(self.fn, str) and bool(self.fn.partition(":")[2]), "'package.module:function'")
-        self.require("weight", isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool), "a number")
+        ok = isinstance(self.fn, str) and bool(self.fn.partition(":")[0]) and bool(self.fn.partition(":")[2])
+        self.require("fn", ok, "'package.module:function'")
+        ok = isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+        self.require("weight", ok, "a number")
         self.weight = float(self.weight)
         self.require_finite("weight")
         if self.name is None:
             self.name = self.fn.partition(":")[2]
         ok = isinstance(self.name, str) and METRIC_NAME.fullmatch(self.name) is not None
         self.require("name", ok, "letters, digits, '_', '.' or '-' (it becomes a metric name)")
-        ok = self.kwargs is None or isinstance(self.kwargs, Mapping) and all(isinstance(k, str) for k in self.kwargs)
+        kwargs = self.kwargs
+        ok = kwargs is None or (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs))
         self.require("kwargs", ok, "a mapping of keyword arguments or None")
 
 
@@ -64,23 +67,29 @@ def reward_terms(value: Any, argument: str = "reward_fn") -> list[RewardTerm]:
     strings of weight 1); errors name the entry."""
     if not isinstance(value, (list, tuple)) or not value:
         raise TypeError(
-            f"{argument}: expected 'package.module:function' or a non-empty list of {{fn, weight}} entries, got {value!r:.200}"
+            f"{argument}: expected 'package.module:function' or a non-empty list of {{fn, weight}} entries, "
+            f"got {value!r:.200}"
         )
     terms = []
     for i, entry in enumerate(value):
         if isinstance(entry, str):  # a function of weight 1
             entry = {"fn": entry}
         if isinstance(entry, Mapping) and "fn" not in entry:
-            raise TypeError(f"{argument}[{i}]: missing `fn` ('package.module:function'), got {dict(entry)!r:.200}")
+            raise TypeError(
+                f"{argument}[{i}]: missing `fn` ('package.module:function'), got {dict(entry)!r:.200}"
+            )
         try:
             terms.append(RewardTerm.coerce(entry, f"{argument}[{i}]"))
         except (TypeError, ValueError) as err:
             message = str(err).replace(f"{RewardTerm.group}.", f"{argument}[{i}].", 1)
-            raise type(err)(message if message.startswith(argument) else f"{argument}[{i}]: {message}") from err
+            message = message if message.startswith(argument) else f"{argument}[{i}]: {message}"
+            raise type(err)(message) from err
     names = [t.name for t in terms]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"{argument}: the names {repeated} are used more than once; give each entry its own `name`")
+        raise ValueError(
+            f"{argument}: the names {repeated} are used more than once; give each entry its own `name`"
+        )
     return terms
 
 
@@ -117,9 +126,12 @@ class RewardSource(torch.nn.Module):
             self.terms = reward_terms(reward_fn, argument)
             self.term_fns = [import_reward_fn(t.fn, f"{argument}[{i}]") for i, t in enumerate(self.terms)]
             self.term_names = [f"{argument}[{i}] {t.name} ({t.fn})" for i, t in enumerate(self.terms)]
-            self.calls = [reward_call(f, n, t.kwargs) for f, n, t in zip(self.term_fns, self.term_names, self.terms)]
+            self.calls = [
+                reward_call(fn, name, term.kwargs)
+                for fn, name, term in zip(self.term_fns, self.term_names, self.terms)
+            ]
             self.weights = torch.tensor([t.weight for t in self.terms], dtype=torch.float32)
-            self.description = f"{argument} [" + ", ".join(f"{t.name} x {t.weight:g}" for t in self.terms) + "]"
+            self.description = f"{argument} [{', '.join(f'{t.name} x {t.weight:g}' for t in self.terms)}]"
         # ``reward_fn`` as plain values, as the hyper-parameters store it
         self.config_value = [t.as_dict() for t in self.terms] if self.terms else reward_fn
         self.model = None
@@ -168,7 +180,9 @@ class RewardSource(torch.nn.Module):
         n, device = input_ids.shape[0], input_ids.device
         for key, values in (columns or {}).items():
             if len(values) != n:
-                raise ValueError(f"{self.description}: column {key!r} has {len(values)} values for {n} responses")
+                raise ValueError(
+                    f"{self.description}: column {key!r} has {len(values)} values for {n} responses"
+                )
         response_mask = attention_mask[:, -response_length:].bool()  # (B, T)
         texts = (
             self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True),
@@ -192,7 +206,7 @@ class RewardSource(torch.nn.Module):
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
     ) -> torch.Tensor:
-        """(B,) float32 scores of the reward model, in micro-batches (``chunk_size``, see :meth:`score_terms`)."""
+        """(B,) float32 scores of the reward model, in micro-batches (see :meth:`score_terms`)."""
         if self.model_tokenizer is not None:
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
             responses = self.decode_responses(

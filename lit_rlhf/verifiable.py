@@ -1,4 +1,4 @@
-"""Verifiable rewards: rule reward functions for answers that can be checked (math, format, length, repetition).
+"""Verifiable rewards: rule rewards of answers that can be checked (math, format, length, repetition).
 
 Each function has TRL's reward-function signature, ``fn(completions, **kwargs) -> list[float]`` (see
 :mod:`lit_rlhf.reward_fns`), so it is named in a config as ``lit_rlhf.verifiable:<function>``, alone or in a
@@ -64,8 +64,8 @@ def accuracy(
 
     if gold_column not in columns:
         raise ValueError(
-            f"accuracy: the gold answers are read from the column {gold_column!r}, which the prompt rows lack "
-            f"(their columns and keywords: {sorted(columns)}); set kwargs: {{gold_column: ...}}"
+            f"accuracy: the gold answers are read from the column {gold_column!r}, which the prompt rows "
+            f"lack (their columns and keywords: {sorted(columns)}); set kwargs: {{gold_column: ...}}"
         )
     golds = columns[gold_column]
     pattern = _compile(answer_pattern, "accuracy", "answer_pattern") if answer_pattern is not None else None
@@ -74,7 +74,9 @@ def accuracy(
     for completion, gold in zip(completions, golds, strict=True):
         target = _parse_gold(gold, timeout)
         if target is None:
-            rank_zero_warn(f"accuracy: math-verify cannot parse the gold answer {gold!r}; its rows score None (NaN)")
+            rank_zero_warn(
+                f"accuracy: math-verify cannot parse the gold answer {gold!r}; its rows score None (NaN)"
+            )
             scores.append(None)
             continue
         if pattern is not None:

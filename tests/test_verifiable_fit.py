@@ -62,6 +62,10 @@ def test_grpo_with_two_weighted_reward_functions_learns_and_logs_both(tokenizer_
         {"fn": "ppo_rewards:target_count", "weight": 1.0, "name": "target_count", "kwargs": None},
         {**TERMS[1]},
     ]
+    (hparams,) = tmp_path.glob("ppo/version_*/hparams.yaml")
+    assert "!!python" not in hparams.read_text()
+    rebuilt = type(module)(**module.hparams)  # a checkpoint's hyper-parameters rebuild the same terms
+    assert rebuilt.rewards.terms == module.rewards.terms
 
 
 def math_rows(n: int) -> list[dict]:

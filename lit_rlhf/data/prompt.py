@@ -74,5 +74,5 @@ class PromptDataModule(RLHFDataModule):
         return detect_prompt_format(columns, source)
 
     def row_columns(self, columns: list[str], fmt: str) -> list[str]:
-        """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to its rewards."""
+        """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to rewards."""
         return [c for c in columns if c != fmt]

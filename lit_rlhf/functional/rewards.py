@@ -37,7 +37,7 @@ def weighted_reward_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Te
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 eq. 13) of responses of ``lengths`` tokens.
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476 eq. 13) of responses' lengths.
 
         R(|y|) = 0                                   if |y| <= L_max - L_cache
                = ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max

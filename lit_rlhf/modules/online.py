@@ -236,8 +236,8 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
             raise TypeError(f"{name}: unexpected argument(s) {unknown}: " + "; ".join(hints))
         if (reward_model is None) == (reward_fn is None):
             raise ValueError(
-                f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function' or a list "
-                "of {fn, weight})"
+                f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function' or "
+                "a list of {fn, weight})"
             )
         if max_rollouts is not None and max_rollouts < 1:
             raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")

@@ -54,8 +54,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @internal_base
 class OnlineEvaluation(LightningModule):
-    """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``expand_columns``, ``generate``, ``rewards``,
-    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``, ``eval_generation``, ``evaluation``, ``rng_seed``, ``tokenizer``)."""
+    """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``expand_columns``, ``generate``,
+    ``rewards``, ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``,
+    ``eval_generation``, ``evaluation``, ``rng_seed``, ``tokenizer``)."""
 
     _rng_after_rollout: dict[str, Any] | None = None
     _eval_samples: list[tuple[str, str, str]] = []
@@ -145,7 +146,7 @@ class OnlineEvaluation(LightningModule):
         # 3. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
         #    are left out of the means), the monitor on the side, and the KL to the reference.
         columns = self.expand_columns(batch, settings.num_samples)
-        raw, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), each (B,)
+        raw, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
         where = f"{stage} after rollout {self.rollouts_done}"
         keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where)  # (B,)
         scores = self.adjust_scores(raw, truncated)  # (B,)
@@ -162,8 +163,8 @@ class OnlineEvaluation(LightningModule):
         for name, values in terms.items():  # a reward_fn list: each function's raw score
             finite = torch.isfinite(values)  # (B,)
             metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
-            self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum", sync_dist=True,
-                     on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
+            self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum",
+                     sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
         if self.monitor is not None:
             monitor = self.monitor.score(input_ids, attention_mask, T, batches, columns)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)

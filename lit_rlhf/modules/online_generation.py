@@ -20,8 +20,8 @@ from lit_rlhf.rollout import GenerationSettings
 
 
 class Sample(NamedTuple):
-    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, the (B, P+T) rows, and the
-    prompt rows' other columns for the reward functions (one value per rollout row, or None: no columns)."""
+    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, the (B, P+T) rows, and
+    the prompt rows' other columns for the reward functions (one value per rollout row; None: no columns)."""
 
     prompts: torch.Tensor
     prompt_mask: torch.Tensor
@@ -103,4 +103,5 @@ class OnlineGeneration(LightningModule):
         input_ids = torch.cat([prompts, responses.ids], dim=1)
         attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
         loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
-        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, self.expand_columns(batch))
+        columns = self.expand_columns(batch)
+        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, columns)

@@ -169,7 +169,8 @@ class RolloutScoring(LightningModule):
         logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
         """
         batches = self.micro_batches(attention_mask, T)
-        scores, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), each (B,)
+        # (B,) scores, and each function's (B,) raw scores for a reward_fn list
+        scores, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)
         self.log_reward_terms(terms)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
