@@ -1,22 +1,45 @@
-"""Reward functions named in a config (``reward_fn: package.module:function``): import and output checks.
+"""Reward functions named in a config (``reward_fn: package.module:function``): import, calling form, checks.
 
 Importing a reward module runs its code (as any ``class_path`` in a LightningCLI config does); whatever
 it raises is reported with the argument and the module named. A reward function's output is checked
 before it becomes a tensor: one real number per response, anything else is named with its position.
 Finiteness is checked later, per rollout, by :func:`lit_rlhf.guards.screen_scores` (the online modules'
 ``on_nonfinite`` policy), so NaN/inf pass through here.
+
+Two calling forms are accepted, told apart by the function's signature (:func:`reward_call`):
+
+- this project's ``fn(prompts, responses, **columns)``: two positional parameters, given the decoded
+  prompt and response strings positionally;
+- TRL's ``fn(completions, **kwargs)``: a parameter named ``completions`` or ``completion_ids``, or
+  ``**kwargs`` with fewer than two positional parameters (``fn(**kwargs)``); called with keywords only,
+  ``prompts`` and ``completions`` (the decoded responses) among them. TRL's ``None`` ("no reward for this
+  row") is read as NaN.
+
+Both forms may take by keyword ``completion_ids`` (each response's token ids, a list of ints, its stop
+token included), the prompt rows' other columns (``answer=[...]``) and the fixed ``kwargs`` a config gives
+the function. Every keyword but the fixed ones is a list with one entry per response (a prompt's K
+responses share its row's values). A function without ``**kwargs`` receives only the keywords it names; one
+naming a keyword that is neither given nor a column is refused at the call, with the columns listed.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float]]
+# the keywords lit_rlhf passes to a TRL-form function besides the rows' columns
+PASSED = ("prompts", "completions", "completion_ids")
+FORMS = (
+    "this project's fn(prompts, responses, **columns) (two positional parameters) nor TRL's "
+    "fn(completions, **kwargs) (a parameter named `completions` or `completion_ids`, or only **kwargs)"
+)
 
 
 def import_reward_fn(path: str, argument: str = "reward_fn") -> RewardFn:
@@ -47,12 +70,14 @@ def import_reward_fn(path: str, argument: str = "reward_fn") -> RewardFn:
     return fn
 
 
-def reward_scores(name: str, scores: Any, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+def reward_scores(
+    name: str, scores: Any, n: int, device: torch.device | str | None = None, none_as_nan: bool = False
+) -> torch.Tensor:
     """Check a reward function's output (``n`` responses) and return it as (n,) float32 scores.
 
     Accepted: a sequence (list, tuple, 1-D array/tensor) of ``n`` real numbers (bool refused; NaN/inf
-    pass, see the module docstring). Anything else raises ``TypeError``/``ValueError`` naming the function
-    ``name``, the position and the bad value.
+    pass, see the module docstring), and None as NaN with ``none_as_nan`` (TRL's form). Anything else
+    raises ``TypeError``/``ValueError`` naming the function ``name``, the position and the bad value.
     """
     if isinstance(scores, torch.Tensor) or hasattr(scores, "tolist") and not isinstance(scores, (str, bytes)):
         scores = scores.tolist()
@@ -60,9 +85,121 @@ def reward_scores(name: str, scores: Any, n: int, device: torch.device | str | N
         raise TypeError(f"{name} must return a list of {n} numbers, got {type(scores).__name__}: {scores!r:.200}")
     if len(scores) != n:
         raise ValueError(f"{name} returned {len(scores)} scores for {n} responses")
+    if none_as_nan:
+        scores = [float("nan") if value is None else value for value in scores]
     for i, value in enumerate(scores):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
                 f"{name} returned a {type(value).__name__} at position {i}: {value!r:.200}; expected a number"
             )
     return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True)
+class RewardCall:
+    """How a reward function is called, read from its signature by :func:`reward_call`.
+
+    Attributes:
+        form: ``"pairs"`` (``fn(prompts, responses, **columns)``) or ``"trl"``
+            (``fn(completions, **kwargs)``).
+        keywords: the keyword parameters it names (None: any, it has ``**kwargs``).
+        required: the keyword parameters it needs (no default).
+    """
+
+    form: Literal["pairs", "trl"]
+    keywords: frozenset[str] | None
+    required: tuple[str, ...]
+
+
+def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None) -> RewardCall:
+    """The calling form of ``fn`` (see the module docstring), checked against its fixed ``kwargs``.
+
+    A callable without an inspectable signature (a builtin) is called as ``fn(prompts, responses)``.
+
+    Raises:
+        TypeError: the signature fits neither form, or a fixed keyword is one it cannot take (named
+            with ``name`` and the signature).
+    """
+    fixed = dict(fixed or {})
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return RewardCall("pairs", frozenset(), ())
+    params = list(signature.parameters.values())
+    kind = inspect.Parameter
+    var_keyword = any(p.kind is kind.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
+    by_name = [signature.parameters.get(key) for key in ("completions", "completion_ids")]
+    trl = any(p is not None and p.kind is not kind.POSITIONAL_ONLY for p in by_name)
+    form = "trl" if trl or (var_keyword and len(positional) < 2) else "pairs"
+    where = f"{name}: {getattr(fn, '__name__', type(fn).__name__)}{signature}"
+    given = [] if form == "trl" else positional[:2]  # the pairs form's (prompts, responses)
+    if form == "pairs" and len(given) < 2 and not any(p.kind is kind.VAR_POSITIONAL for p in params):
+        raise TypeError(f"{where} fits neither {FORMS}")
+    unpassable = [
+        p.name for p in positional
+        if p.kind is kind.POSITIONAL_ONLY and p.default is p.empty and p not in given
+    ]
+    if unpassable:
+        raise TypeError(
+            f"{where}: positional-only parameter(s) {unpassable} cannot be passed; it fits neither {FORMS}"
+        )
+    keyword_kinds = (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in keyword_kinds and p not in given]
+    keywords = None if var_keyword else frozenset(p.name for p in named)
+    bad = sorted(k for k in fixed if k in PASSED or (keywords is not None and k not in keywords))
+    if bad:
+        raise TypeError(
+            f"{where}: kwargs {bad} are not keywords it takes (lit_rlhf passes {list(PASSED)} itself)"
+        )
+    required = tuple(p.name for p in named if p.default is p.empty and p.name not in fixed)
+    return RewardCall(form, keywords, required)
+
+
+def call_reward_fn(
+    fn: Callable,
+    call: RewardCall,
+    name: str,
+    prompts: list[str],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: Mapping[str, list] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+) -> Any:
+    """Call ``fn`` in its form (``call``) on B responses; returns what it returns (check it with
+    :func:`reward_scores`).
+
+    Args:
+        fn: the reward function; ``call``: its form from :func:`reward_call`; ``name``: for messages.
+        prompts, completions: B decoded prompt and response strings.
+        completion_ids: B lists of response token ids.
+        columns: the prompt rows' other columns, each a list of B values (or None: no columns).
+        fixed: the fixed keyword arguments of the config.
+
+    Raises:
+        ValueError: a column with the name of a keyword lit_rlhf or the config passes, or a keyword the
+            function needs that is neither.
+    """
+    columns, fixed = dict(columns or {}), dict(fixed or {})
+    offered: dict[str, Any] = {"completion_ids": completion_ids}
+    if call.form == "trl":
+        offered.update(prompts=prompts, completions=completions)
+    def accepts(key: str) -> bool:
+        return call.keywords is None or key in call.keywords
+
+    clash = sorted(k for k in columns if accepts(k) and (k in offered or k in fixed or k in PASSED))
+    if clash:
+        raise ValueError(
+            f"{name}: the prompt rows' column(s) {clash} have the name of a keyword lit_rlhf or the config's "
+            "kwargs pass; rename the column(s)"
+        )
+    offered.update(columns)
+    offered.update(fixed)
+    missing = [key for key in call.required if key not in offered]
+    if missing:
+        raise ValueError(
+            f"{name} needs {missing}: neither in its kwargs nor a column of the prompt rows (their columns: "
+            f"{sorted(columns)}; lit_rlhf passes {list(PASSED)})"
+        )
+    kwargs = {k: v for k, v in offered.items() if accepts(k)}
+    return fn(**kwargs) if call.form == "trl" else fn(prompts, completions, **kwargs)

@@ -1,44 +1,139 @@
-"""Where sequence scores come from: a reward model or a ``module:function`` rule.
+"""Where sequence scores come from: a reward model, a ``module:function`` rule, or weighted rule functions.
 
 Used by every online-RL module, for the optimised reward and for the monitor reward that is only logged.
+``reward_fn`` is one ``package.module:function`` or a list of :class:`RewardTerm` (``{fn, weight, name,
+kwargs}``): the score is then the weighted sum of the functions' scores
+(:func:`lit_rlhf.functional.weighted_reward_sum`) and each function's raw score is returned by name, for the
+modules to log. Each function may take either calling form of :mod:`lit_rlhf.reward_fns`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from lit_rlhf import functional as F
 from lit_rlhf.batching import MicroBatch, scatter_rows
 from lit_rlhf.models import build_score_model, chunked, frozen_copy, load_tokenizer, reward_model_scores
-from lit_rlhf.reward_fns import RewardFn, import_reward_fn, reward_scores
+from lit_rlhf.reward_fns import RewardFn, call_reward_fn, import_reward_fn, reward_call, reward_scores
+from lit_rlhf.settings import Settings
 
-__all__ = ["RewardFn", "RewardSource", "import_reward_fn"]
+__all__ = ["RewardFn", "RewardSource", "RewardTerm", "import_reward_fn", "reward_terms"]
+
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclass
+class RewardTerm(Settings):
+    """One function of a ``reward_fn`` list; the sequence score is the weighted sum of the list's functions.
+
+    Attributes:
+        fn: ``package.module:function``, in either calling form of :mod:`lit_rlhf.reward_fns`.
+        weight: its weight in the sum (a finite number of any sign; 0 = only logged).
+        name: the name its raw score is logged under (``rollout/reward/<name>``, ``val/reward/<name>``);
+            None = the function's name (after the colon).
+        kwargs: fixed keyword arguments of every call (e.g. ``{max_length: 64, cache_length: 16}``).
+    """
+
+    group: ClassVar[str] = "reward_fn"
+
+    fn: str
+    weight: float = 1.0
+    name: str | None = None
+    kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.fn, str) and bool(self.fn.partition(":")[0]) and bool(self.fn.partition(":")[2])
+        self.require("fn", ok, "'package.module:function'")
+        ok = isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+        self.require("weight", ok, "a number")
+        self.weight = float(self.weight)
+        self.require_finite("weight")
+        if self.name is None:
+            self.name = self.fn.partition(":")[2]
+        ok = isinstance(self.name, str) and METRIC_NAME.fullmatch(self.name) is not None
+        self.require("name", ok, "letters, digits, '_', '.' or '-' (it becomes a metric name)")
+        kwargs = self.kwargs
+        ok = kwargs is None or (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs))
+        self.require("kwargs", ok, "a mapping of keyword arguments or None")
+
+
+def reward_terms(value: Any, argument: str = "reward_fn") -> list[RewardTerm]:
+    """The checked terms of a ``reward_fn`` list (RewardTerms, dicts of their fields, or ``module:function``
+    strings of weight 1); errors name the entry."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(
+            f"{argument}: expected 'package.module:function' or a non-empty list of {{fn, weight}} entries, "
+            f"got {value!r:.200}"
+        )
+    terms = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, str):  # a function of weight 1
+            entry = {"fn": entry}
+        if isinstance(entry, Mapping) and "fn" not in entry:
+            raise TypeError(
+                f"{argument}[{i}]: missing `fn` ('package.module:function'), got {dict(entry)!r:.200}"
+            )
+        try:
+            terms.append(RewardTerm.coerce(entry, f"{argument}[{i}]"))
+        except (TypeError, ValueError) as err:
+            message = str(err).replace(f"{RewardTerm.group}.", f"{argument}[{i}].", 1)
+            message = message if message.startswith(argument) else f"{argument}[{i}]: {message}"
+            raise type(err)(message) from err
+    names = [t.name for t in terms]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{argument}: the names {repeated} are used more than once; give each entry its own `name`"
+        )
+    return terms
 
 
 class RewardSource(torch.nn.Module):
-    """Sequence scores from a reward model (scalar head at the last real token) or a Python function.
+    """Sequence scores from a reward model (scalar head at the last real token) or Python functions.
 
     A reward model that shares the actor's tokenizer scores the token ids directly; one with another
-    vocabulary gets the decoded text re-tokenised with its own tokenizer.
+    vocabulary gets the decoded text re-tokenised with its own tokenizer. Functions get the decoded prompts
+    and responses, the responses' token ids and the prompt rows' other columns (``columns``).
 
     Args:
         reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), or None.
-        reward_fn: ``package.module:function`` (prompts, responses) -> scores, or None.
+        reward_fn: ``package.module:function``, a list of :class:`RewardTerm` (or dicts of their fields, or
+            ``module:function`` strings of weight 1) whose weighted sum is the score, or None.
         tokenizer: the actor's tokenizer.
         argument: the config argument that named the scorer (``reward_fn``, ``monitor_reward_fn``), for
             error messages.
     """
 
     def __init__(
-        self, reward_model: Any, reward_fn: str | None, tokenizer: Any, argument: str = "reward_fn"
-    ) -> None:
+        self, reward_model: Any, reward_fn: str | Sequence[RewardTerm | dict | str] | None, tokenizer: Any,
+        argument: str = "reward_fn",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.tokenizer = tokenizer
-        self.fn = import_reward_fn(reward_fn, argument) if reward_fn is not None else None
+        self.fn, self.terms = None, []
         model_name = getattr(reward_model, "name_or_path", None) or "(from config)"
-        self.description = f"{argument} {reward_fn}" if reward_fn is not None else f"reward_model {model_name}"
+        self.description = f"reward_model {model_name}"
+        if isinstance(reward_fn, str):
+            self.fn = import_reward_fn(reward_fn, argument)
+            self.description = f"{argument} {reward_fn}"
+            self.call = reward_call(self.fn, self.description)
+        elif reward_fn is not None:
+            self.terms = reward_terms(reward_fn, argument)
+            self.term_fns = [import_reward_fn(t.fn, f"{argument}[{i}]") for i, t in enumerate(self.terms)]
+            self.term_names = [f"{argument}[{i}] {t.name} ({t.fn})" for i, t in enumerate(self.terms)]
+            self.calls = [
+                reward_call(fn, name, term.kwargs)
+                for fn, name, term in zip(self.term_fns, self.term_names, self.terms)
+            ]
+            self.weights = torch.tensor([t.weight for t in self.terms], dtype=torch.float32)
+            self.description = f"{argument} [{', '.join(f'{t.name} x {t.weight:g}' for t in self.terms)}]"
+        # ``reward_fn`` as plain values, as the hyper-parameters store it
+        self.config_value = [t.as_dict() for t in self.terms] if self.terms else reward_fn
         self.model = None
         self.model_tokenizer = None
         if reward_model is not None:
@@ -53,27 +148,70 @@ class RewardSource(torch.nn.Module):
             for row, mask in zip(responses, response_mask)
         ]
 
-    @torch.no_grad()
     def score(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
+        columns: Mapping[str, list] | None = None,
     ) -> torch.Tensor:
-        """(B, P+T) prompt+response sequences -> (B,) float32 scores.
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores (see :meth:`score_terms`)."""
+        return self.score_terms(input_ids, attention_mask, response_length, chunk_size, columns)[0]
+
+    @torch.no_grad()
+    def score_terms(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        chunk_size: int | Sequence[MicroBatch],
+        columns: Mapping[str, list] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores, and each term's (B,) raw scores by name
+        (empty unless ``reward_fn`` is a list).
 
         ``chunk_size``: rows per reward-model forward, or the (rows, columns, t) micro-batches of
-        ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed).
+        ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed). ``columns``: the prompt
+        rows' other columns for the functions, each a list of B values (a prompt's K rows repeated).
         """
-        if self.fn is not None or self.model_tokenizer is not None:
+        if self.fn is None and not self.terms:
+            return self.model_scores(input_ids, attention_mask, response_length, chunk_size), {}
+        n, device = input_ids.shape[0], input_ids.device
+        for key, values in (columns or {}).items():
+            if len(values) != n:
+                raise ValueError(
+                    f"{self.description}: column {key!r} has {len(values)} values for {n} responses"
+                )
+        response_mask = attention_mask[:, -response_length:].bool()  # (B, T)
+        texts = (
+            self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True),
+            self.decode_responses(input_ids[:, -response_length:], response_mask),
+            [row[mask].tolist() for row, mask in zip(input_ids[:, -response_length:], response_mask)],
+        )
+        if self.fn is not None:
+            out = call_reward_fn(self.fn, self.call, self.description, *texts, columns)
+            return reward_scores(self.description, out, n, device, none_as_nan=self.call.form == "trl"), {}
+        parts = {}
+        for term, fn, call, name in zip(self.terms, self.term_fns, self.calls, self.term_names):
+            out = call_reward_fn(fn, call, name, *texts, columns, term.kwargs)
+            parts[term.name] = reward_scores(name, out, n, device, none_as_nan=call.form == "trl")  # (B,)
+        total = F.weighted_reward_sum(torch.stack(list(parts.values())), self.weights.to(device))  # (B,)
+        return total, parts
+
+    def model_scores(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        chunk_size: int | Sequence[MicroBatch],
+    ) -> torch.Tensor:
+        """(B,) float32 scores of the reward model, in micro-batches (see :meth:`score_terms`)."""
+        if self.model_tokenizer is not None:
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
             responses = self.decode_responses(
                 input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
             )
-        if self.fn is not None:
-            return reward_scores(self.description, self.fn(prompts, responses), len(prompts), input_ids.device)
-        if self.model_tokenizer is not None:
             texts = [p + r + self.model_tokenizer.eos_token for p, r in zip(prompts, responses)]
             enc = self.model_tokenizer(texts, return_tensors="pt", padding=True).to(input_ids.device)
             input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]

@@ -40,3 +40,8 @@ def nan_every_other(prompts: list[str], responses: list[str]) -> list[float]:
 
 def always_nan(prompts: list[str], responses: list[str]) -> list[float]:
     return [float("nan")] * len(responses)
+
+
+def target_count(completions: list[str], target: list[str], **kwargs) -> list[float]:
+    """TRL's form: how often each completion contains its prompt row's ``target`` string (a column)."""
+    return [float(completion.count(t)) for completion, t in zip(completions, target)]

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from lit_rlhf.data.collators import ROW_COLUMN_PREFIX
 from lit_rlhf.data.formats import DataFormatError, RowRef, Text
 from lit_rlhf.data.render import clip_lengths, render, tokenize_rendered
 from lit_rlhf.data.sampler import ResumableSampler
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     from datasets import Dataset  # imported by ``load_source`` when a source is read
 
 LengthPolicy = Literal["truncate", "drop"]
-# parse(row, fmt, ref) -> (prompt, responses in slot order, extra scalar columns such as margin)
+# parse(row, fmt, ref) -> (prompt, responses in slot order, extra scalar columns such as margin); ``row`` also
+# holds the kept source columns (``row_columns``) under ``ROW_COLUMN_PREFIX``
 RowParser = Callable[[dict, str, RowRef], tuple[Text, tuple[Text, ...], dict[str, float]]]
 
 
@@ -164,12 +166,20 @@ class RLHFDataModule(LightningDataModule):
             test = self._encode(hp.test_path, hp.get("test_split") or hp.split)
             self.test_dataset = self._apply_length_policy(test, "test", hp.test_path)
 
+    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
+        """The source columns kept beside the tokens, for the collator to pass on (none here)."""
+        return []
+
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
         columns = [c for c in dataset.column_names if c != FILE_ROW_COLUMN]
+        fmt = self.detect_format(columns, path)
+        kept = self.row_columns(columns, fmt)
+        if kept:  # renamed, so no column of the source can collide with the encoded ones
+            dataset = dataset.rename_columns({c: ROW_COLUMN_PREFIX + c for c in kept})
         fn_kwargs = dict(
             parse=type(self).parse,
-            fmt=self.detect_format(columns, path),
+            fmt=fmt,
             source=path,
             slots=self.slots,
             tokenizer=self.tokenizer,
@@ -181,7 +191,7 @@ class RLHFDataModule(LightningDataModule):
                 encode_batch,
                 batched=True,
                 with_indices=True,
-                remove_columns=dataset.column_names,
+                remove_columns=[c for c in dataset.column_names if not c.startswith(ROW_COLUMN_PREFIX)],
                 fn_kwargs=fn_kwargs,
                 desc=f"Validating and tokenizing {path}",
             )

@@ -15,6 +15,9 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100  # label value skipped by torch/transformers cross-entropy
+# a source column kept beside the tokens (PromptDataModule: the prompt rows' other columns) is stored under
+# this prefix, so that no source column can collide with the encoded ones
+ROW_COLUMN_PREFIX = "column:"
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:
@@ -34,13 +37,19 @@ def pad(rows: Sequence[Sequence[int]], value: int, side: Literal["left", "right"
 
 @dataclass
 class PromptCollator:
-    """Prompts for generation: ``{"input_ids": (B, P), "attention_mask": (B, P)}``, LEFT-padded."""
+    """Prompts for generation: ``{"input_ids": (B, P), "attention_mask": (B, P)}``, LEFT-padded, and
+    ``"columns"``: ``{name: [B values]}`` of the rows' other source columns, as they were read (strings,
+    numbers, lists; not tensors), when the rows have any."""
 
     pad_token_id: int
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         input_ids, attention_mask = pad([r["prompt_input_ids"] for r in rows], self.pad_token_id, "left")
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        kept = [key for key in rows[0] if key.startswith(ROW_COLUMN_PREFIX)]
+        if kept:
+            batch["columns"] = {key[len(ROW_COLUMN_PREFIX) :]: [r[key] for r in rows] for key in kept}
+        return batch
 
 
 @dataclass

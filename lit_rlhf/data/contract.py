@@ -7,7 +7,8 @@ Each layout names the keys a module reads, their shapes and which DataModule pro
 - ``preference`` (:class:`~lit_rlhf.data.PreferenceDataModule`): ``input_ids``, ``attention_mask``
   (2B, L), right-padded, rows 0..B-1 prompt + chosen and B..2B-1 prompt + rejected; ``margin`` (B,) optional.
 - ``prompt`` (:class:`~lit_rlhf.data.PromptDataModule`): ``input_ids``, ``attention_mask`` (B, P),
-  LEFT-padded for generation (:func:`left_pad_prompts` repairs right-padded prompts).
+  LEFT-padded for generation (:func:`left_pad_prompts` repairs right-padded prompts); ``columns``
+  (``{name: [B values]}``, the rows' other columns for the reward functions) optional.
 
 A batch in another library's layout (TRL's ``input_ids_chosen``/``chosen_input_ids``, untokenised text
 rows) is recognised and the message says what to use instead.

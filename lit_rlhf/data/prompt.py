@@ -16,8 +16,10 @@ class PromptDataModule(RLHFDataModule):
 
     Rows have ``prompt`` (string or chat), ``messages`` or ``conversations`` (a final assistant turn is
     dropped). Chats get the tokenizer's generation prompt. Batches are LEFT-padded for generation:
-    ``{"input_ids": (B, P), "attention_mask": (B, P)}``. The training order is a function of
-    (seed, epoch) and resumes mid-epoch from checkpoints (see :mod:`lit_rlhf.data.sampler`).
+    ``{"input_ids": (B, P), "attention_mask": (B, P)}``, plus ``"columns"``: ``{name: [B values]}`` of the
+    rows' other columns (e.g. a gold ``answer``), as read, for the reward functions (``lit_rlhf.reward_fns``).
+    The training order is a function of (seed, epoch) and resumes mid-epoch from checkpoints (see
+    :mod:`lit_rlhf.data.sampler`).
     """
 
     slots = ()
@@ -70,3 +72,7 @@ class PromptDataModule(RLHFDataModule):
 
     def detect_format(self, columns: list[str], source: str) -> str:
         return detect_prompt_format(columns, source)
+
+    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
+        """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to rewards."""
+        return [c for c in columns if c != fmt]

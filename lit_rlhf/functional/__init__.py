@@ -63,6 +63,7 @@ from lit_rlhf.functional.registry import (
     SEQUENCE_ESTIMATORS,
     AdvantageEstimatorInfo,
 )
+from lit_rlhf.functional.rewards import soft_overlong_penalty, weighted_reward_sum
 from lit_rlhf.functional.stats import (
     as_groups,
     compact_left,
@@ -139,5 +140,7 @@ __all__ = [
     "reference_kl_loss",
     "rloo_advantages",
     "sequence_advantages",
+    "soft_overlong_penalty",
     "truncated_logprobs",
+    "weighted_reward_sum",
 ]

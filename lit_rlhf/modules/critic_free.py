@@ -101,7 +101,7 @@ class CriticFreeModule(OnlineRLModule):
         #    the engine/trainer correction weights, whose weights need them now).
         on_policy = self.on_policy_update and self.correction_mode(sample.responses) is None
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, policy=not on_policy)
-        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated)
+        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
         # 3. Advantages of the chosen estimator, per token.
         advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, mask, keep)
         rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, advantages, scores)

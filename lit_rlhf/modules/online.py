@@ -56,7 +56,7 @@ from lit_rlhf.modules.online_settings import (
 )
 from lit_rlhf.modules.online_update import OnlineUpdate
 from lit_rlhf.replay import ReplayBuffer
-from lit_rlhf.rewards import RewardSource
+from lit_rlhf.rewards import RewardSource, RewardTerm
 from lit_rlhf.rollout import GenerationSettings
 from lit_rlhf.settings import Settings
 
@@ -94,7 +94,11 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         reference: the reference policy of the KL; None = the initial actor (a frozen copy, or for a LoRA
             actor the actor with its adapters disabled: no second copy).
         reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
-        reward_fn: ``package.module:function`` mapping (prompts, responses) strings to float scores.
+        reward_fn: ``package.module:function`` scoring the responses (this project's ``fn(prompts, responses,
+            **columns)`` or TRL's ``fn(completions, **kwargs)``, see ``lit_rlhf.reward_fns``), or a list of
+            ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``; a plain ``module:function`` has
+            weight 1) whose weighted sum is the score, each function's raw score logged as
+            ``rollout/reward/<name>``.
         monitor_reward_fn: a second ``module:function`` scorer that is only logged
             (``rollout/monitor_score``), never optimised: e.g. a gold reward beside a proxy reward model.
         engine: the rollout engine (``lit_rlhf.engines``): None = Hugging Face ``generate`` on the actor
@@ -133,7 +137,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         actor: ModelSpec | dict | str,
         reference: ModelSpec | dict | str | None = None,
         reward_model: ModelSpec | dict | str | None = None,
-        reward_fn: str | None = None,
+        reward_fn: str | list[RewardTerm | dict | str] | None = None,
         monitor_reward_fn: str | None = None,
         engine: RolloutEngine | dict | str | None = None,
         generation: GenerationSettings | dict | None = None,
@@ -166,12 +170,13 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         )
         self.buffer = ReplayBuffer(self.update.num_minibatches, self.rng_seed)
         update_names = (*self.loss_stats, *self.extra_metrics, "skipped_minibatches", "nonfinite_steps")
-        self.rollout_metrics, self.update_metrics = MetricGroup(ROLLOUT_METRICS), MetricGroup(update_names)
+        self.rollout_metrics = MetricGroup((*ROLLOUT_METRICS, *self.reward_term_metrics()))
+        self.update_metrics = MetricGroup(update_names)
         self.rollouts_done = 0
         self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
         self._rng_to_restore: tuple[torch.Tensor, list] | None = None
         self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
-        shared = dict(reference=reference, reward_model=reward_model, reward_fn=reward_fn,
+        shared = dict(reference=reference, reward_model=reward_model, reward_fn=self.rewards.config_value,
                       monitor_reward_fn=monitor_reward_fn)  # fmt: skip
         self.save_plain_hyperparameters(inspect.currentframe().f_back, shared)
 
@@ -232,7 +237,10 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
             hints = [moved_hint(key, type(self)) or f"{key}: no such argument" for key in unknown]
             raise TypeError(f"{name}: unexpected argument(s) {unknown}: " + "; ".join(hints))
         if (reward_model is None) == (reward_fn is None):
-            raise ValueError(f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function')")
+            raise ValueError(
+                f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function' or "
+                "a list of {fn, weight})"
+            )
         if max_rollouts is not None and max_rollouts < 1:
             raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")
 

@@ -4,7 +4,8 @@ A validation (test) step is an evaluation rollout on a batch of held-out prompts
 validation or test loader): generate with ``evaluation.generation`` over ``generation`` (sampled, or greedy
 with ``evaluation.greedy``), score with the reward source (adjusted as in training) and the monitor, measure the KL to the reference,
 and log means over the whole split as ``val/*`` (``test/*``) with a ``val/samples`` (``test/samples``)
-table. Nothing is updated.
+table; a ``reward_fn`` list adds each function's raw score, ``val/reward/<name>`` (the mean of its finite
+scores) and ``val/reward_nonfinite/<name>`` (their count). Nothing is updated.
 
 When it runs during ``fit`` follows Lightning's own settings, one training batch being one rollout:
 ``check_val_every_n_epoch: null`` with ``val_check_interval: N`` evaluates every N rollouts (counted
@@ -53,8 +54,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @internal_base
 class OnlineEvaluation(LightningModule):
-    """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``generate``, ``rewards``,
-    ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``, ``eval_generation``, ``evaluation``, ``rng_seed``, ``tokenizer``)."""
+    """Mixin of OnlineRLModule (it relies on the base's ``expand_prompts``, ``expand_columns``, ``generate``,
+    ``rewards``, ``monitor``, ``adjust_scores``, ``reference_logprobs``, ``micro_batches``,
+    ``eval_generation``, ``evaluation``, ``rng_seed``, ``tokenizer``)."""
 
     _rng_after_rollout: dict[str, Any] | None = None
     _eval_samples: list[tuple[str, str, str]] = []
@@ -143,7 +145,8 @@ class OnlineEvaluation(LightningModule):
         batches = self.micro_batches(attention_mask, T)
         # 3. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
         #    are left out of the means), the monitor on the side, and the KL to the reference.
-        raw = self.rewards.score(input_ids, attention_mask, T, batches)  # (B,)
+        columns = self.expand_columns(batch, settings.num_samples)
+        raw, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
         where = f"{stage} after rollout {self.rollouts_done}"
         keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where)  # (B,)
         scores = self.adjust_scores(raw, truncated)  # (B,)
@@ -157,8 +160,13 @@ class OnlineEvaluation(LightningModule):
             "entropy": F.masked_mean(entropy, loss_mask),
         }
         sizes = {"score": int(keep.sum())}
+        for name, values in terms.items():  # a reward_fn list: each function's raw score
+            finite = torch.isfinite(values)  # (B,)
+            metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
+            self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum",
+                     sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
         if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
+            monitor = self.monitor.score(input_ids, attention_mask, T, batches, columns)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)
             metrics["monitor_score"] = kept_mean(monitor, monitor_keep)
             sizes["monitor_score"] = int(monitor_keep.sum())

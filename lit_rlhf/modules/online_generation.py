@@ -20,7 +20,8 @@ from lit_rlhf.rollout import GenerationSettings
 
 
 class Sample(NamedTuple):
-    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, and the (B, P+T) rows."""
+    """A generated rollout before scoring: (G*K, P) prompts, the engine's responses, the (B, P+T) rows, and
+    the prompt rows' other columns for the reward functions (one value per rollout row; None: no columns)."""
 
     prompts: torch.Tensor
     prompt_mask: torch.Tensor
@@ -28,6 +29,7 @@ class Sample(NamedTuple):
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor  # (B, T) bool, the tokens learned from
+    columns: dict[str, list] | None = None
 
 
 @internal_base
@@ -54,6 +56,15 @@ class OnlineGeneration(LightningModule):
         if k == 1:
             return ids, mask
         return ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
+
+    def expand_columns(self, batch: dict, num_samples: int | None = None) -> dict[str, list] | None:
+        """The batch's prompt-row ``columns`` (``lit_rlhf.data.PromptDataModule``: one list of G values per
+        column) with each value repeated K times, as the rows of :meth:`expand_prompts`; None without them."""
+        columns = batch.get("columns")
+        if not columns:
+            return None
+        k = self.num_samples if num_samples is None else num_samples
+        return {name: [value for value in values for _ in range(k)] for name, values in columns.items()}
 
     def rollout_engine(self) -> RolloutEngine:
         """The engine, set up with the actor (again when the actor object changed, e.g. wrapped by FSDP)."""
@@ -86,10 +97,11 @@ class OnlineGeneration(LightningModule):
 
     def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
         """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
-        joined to their prompts as the (B, P+T) rows the trainer scores."""
+        joined to their prompts as the (B, P+T) rows the trainer scores, with the batch's ``columns``."""
         prompts, prompt_mask = self.expand_prompts(batch)
         responses = self.generate(prompts, prompt_mask)
         input_ids = torch.cat([prompts, responses.ids], dim=1)
         attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
         loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
-        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask)
+        columns = self.expand_columns(batch)
+        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, columns)

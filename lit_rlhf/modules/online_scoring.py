@@ -150,8 +150,14 @@ class RolloutScoring(LightningModule):
         attention_mask: torch.Tensor,
         T: int,
         truncated: torch.Tensor,
+        columns: dict[str, list] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,) adjusted sequence scores of the rollout and the (B,) bool mask of the rows to learn from.
+
+        ``columns``: the prompt rows' other columns for the reward functions, one value per rollout row
+        (``Sample.columns``). A ``reward_fn`` list's raw score of each function is logged as
+        ``rollout/reward/<name>`` (the mean of its finite scores) and ``rollout/reward_nonfinite/<name>``
+        (its NaN/inf scores over all ranks, e.g. unparseable gold answers).
 
         Every score (reward model or function, and the monitor) is screened by ``on_nonfinite``: under
         ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
@@ -163,14 +169,35 @@ class RolloutScoring(LightningModule):
         logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
         """
         batches = self.micro_batches(attention_mask, T)
-        scores = self.rewards.score(input_ids, attention_mask, T, batches)  # (B,)
+        # (B,) scores, and each function's (B,) raw scores for a reward_fn list
+        scores, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)
+        self.log_reward_terms(terms)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
         if self.monitor is not None:
-            monitor = self.monitor.score(input_ids, attention_mask, T, batches)  # (B,)
+            monitor = self.monitor.score(input_ids, attention_mask, T, batches, columns)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False)
             self.rollout_metrics.update({"monitor_score": monitor[monitor_keep].mean()})
         return scores, keep
+
+    def reward_term_metrics(self) -> list[str]:
+        """The rollout metrics of a ``reward_fn`` list (none for one function or a reward model)."""
+        names = [term.name for term in self.rewards.terms]
+        return [f"reward/{n}" for n in names] + [f"reward_nonfinite/{n}" for n in names]
+
+    def log_reward_terms(self, terms: dict[str, torch.Tensor]) -> None:
+        """Per-rollout metrics of each function's (B,) raw scores: the mean of the finite ones (weighted by
+        their count across ranks) and the count of non-finite ones over all ranks."""
+        if not terms:
+            return
+        finite = {name: torch.isfinite(raw) for name, raw in terms.items()}  # each (B,)
+        bad = torch.stack([(~ok).sum() for ok in finite.values()]).float()  # (N,)
+        bad = self.trainer.strategy.reduce(bad, reduce_op="sum")  # (N,) every rank's
+        for (name, raw), count in zip(terms.items(), bad):
+            ok = finite[name]
+            mean = torch.where(ok, raw, 0.0).sum() / ok.sum().clamp(min=1)
+            self.rollout_metrics.update({f"reward/{name}": mean}, weight=float(ok.sum()))
+            self.rollout_metrics.update({f"reward_nonfinite/{name}": count})
 
     def screen(
         self,

@@ -1,0 +1,106 @@
+"""lit_rlhf.verifiable: math-verify accuracy on hand-picked answers, format, soft overlong punishment, repetition."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_rlhf.verifiable import accuracy, format_reward, repetition_penalty, soft_overlong_punishment
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        ("1/2", "0.5"),
+        ("0.5", "1/2"),
+        ("0.5", "\\frac{1}{2}"),
+        ("The answer is $\\frac{1}{2}$.", "0.5"),
+        ("so we get \\boxed{\\frac{1}{2}}", "1/2"),
+        ("3.0", "3"),
+        ("3", "3.0"),
+        ("answer: 3", 3),  # a number in the gold column
+        ("1000", "10^{3}"),  # a LaTeX gold without delimiters is read as LaTeX math
+        ("x = \\boxed{\\sqrt{2}}", "$\\sqrt{2}$"),
+    ],
+)
+def test_equivalent_answers_are_correct(completion, gold):
+    assert accuracy([completion], answer=[gold]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [("1/3", "0.5"), ("0.51", "1/2"), ("4", "3"), ("\\boxed{2}", "\\frac{1}{2}"), ("-3", "3")],
+)
+def test_wrong_answers_score_zero(completion, gold):
+    assert accuracy([completion], answer=[gold]) == [0.0]
+
+
+@pytest.mark.parametrize("completion", ["", "I do not know.", "???", "\\frac{1}{"])
+def test_an_unparseable_completion_scores_zero(completion):
+    assert accuracy([completion], answer=["1/2"]) == [0.0]
+
+
+@pytest.mark.parametrize("gold", ["???", "", "   ", None, "\\frac{1}{", ["1/2"]])
+def test_an_unparseable_gold_answer_is_reported_not_scored_wrong(gold):
+    with pytest.warns(UserWarning, match="math-verify cannot parse the gold answer"):
+        scores = accuracy(["1/2", "0.5", "nothing"], answer=[gold, "1/2", gold])
+    assert scores == [None, 1.0, None]  # None: NaN for lit_rlhf's on_nonfinite policy, skipped by TRL
+
+
+def test_answer_pattern_checks_the_last_match_and_a_missing_match_scores_zero():
+    completions = ["<answer>3</answer> no, <answer>0.5</answer>", "<answer>3</answer>", "0.5 without tags"]
+    tags = "<answer>(.*?)</answer>"
+    assert accuracy(completions, answer=["1/2"] * 3, answer_pattern=tags) == [1.0, 0.0, 0.0]
+    # without the pattern math-verify reads the whole text: a plain number, but not one glued to tags
+    assert accuracy(["<answer>0.5</answer>", "0.5 without tags"], answer=["1/2"] * 2) == [0.0, 1.0]
+
+
+def test_accuracy_reads_the_gold_column_it_is_told():
+    assert accuracy(["0.5"], solution=["1/2"], gold_column="solution", prompts=["p"]) == [1.0]
+    with pytest.raises(ValueError, match=r"column 'answer', which the prompt rows lack .*\['prompts', 'solution'\]"):
+        accuracy(["0.5"], solution=["1/2"], prompts=["p"])
+    with pytest.raises(ValueError, match="answer_pattern '\\(' is not a valid regular expression"):
+        accuracy(["0.5"], answer=["1/2"], answer_pattern="(")
+
+
+def test_accuracy_runs_without_a_timeout_outside_the_main_thread():
+    import threading
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(accuracy(["0.5", "2"], answer=["1/2", "1/2"])))
+    thread.start()
+    thread.join()
+    assert out == [[1.0, 0.0]]
+
+
+def test_format_reward():
+    completions = ["so \\boxed{2}", "2", "<answer>1</answer>", "think <answer>1</answer>"]
+    assert format_reward(completions) == [1.0, 0.0, 0.0, 0.0]
+    assert format_reward(completions, pattern="<answer>.*?</answer>") == [0.0, 0.0, 1.0, 1.0]
+    assert format_reward(completions, pattern="<answer>.*?</answer>", fullmatch=True) == [0.0, 0.0, 1.0, 0.0]
+    assert format_reward(["<answer>\n1\n</answer>"], pattern="<answer>.*</answer>", fullmatch=True) == [1.0]
+    with pytest.raises(ValueError, match="format_reward: pattern '\\[' is not a valid regular expression"):
+        format_reward(completions, pattern="[")
+
+
+def test_soft_overlong_punishment_of_token_lengths():
+    # L_max = 10, L_cache = 4: 0 up to 6 tokens, -0.25 per token after, -1 from 10 on
+    ids = [[7] * n for n in (3, 6, 7, 9, 10, 12)]
+    assert soft_overlong_punishment(ids, max_length=10, cache_length=4, completions=["x"] * 6) == [
+        0.0, 0.0, -0.25, -0.75, -1.0, -1.0
+    ]  # fmt: skip
+
+
+def test_repetition_penalty_by_hand():
+    completions = [
+        "a b a b a b",  # bigrams ab ba ab ba ab: 2 distinct of 5 -> -(1 - 2/5) = -0.6
+        "a b c d",  # 3 distinct of 3 -> 0
+        "a",  # fewer words than n -> 0
+        "The the THE",  # lower-cased: (the, the) twice, 1 distinct of 2 -> -0.5
+        "",
+    ]
+    assert repetition_penalty(completions, ngram_size=2) == pytest.approx([-0.6, 0.0, 0.0, -0.5, 0.0])
+    # trigrams (default): "x y z x y z x": xyz yzx zxy xyz yzx -> 3 distinct of 5 -> -0.4
+    assert repetition_penalty(["x y z x y z x"]) == pytest.approx([-0.4])
+    assert repetition_penalty(["go go go go"], ngram_size=1) == pytest.approx([-0.75])
+    with pytest.raises(ValueError, match="ngram_size must be an integer >= 1, got 0"):
+        repetition_penalty(["a"], ngram_size=0)
