@@ -92,3 +92,38 @@ def test_without_the_syncs_the_on_policy_check_fails(tokenizer_dir, tmp_path, mo
     with pytest.raises(AssertionError):
         assert_on_policy(rows)
     assert rows[-1]["rollout/logprob_diff_mean"] > 0.1
+
+
+def test_the_cli_runs_grpo_with_engine_vllm(tokenizer_dir, prompt_file, tmp_path):
+    # what the README and configs/grpo_tiny.yaml tell a user: --model.init_args.engine=vllm, with an
+    # evaluation rollout and the export
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_sft_rm import tb_scalars
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "grpo"
+    cmd = [
+        sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(root / "configs/grpo_tiny.yaml"),
+        "--model.init_args.engine=vllm", "--model.init_args.actor=null",
+        f'--model.init_args.actor={{"config": {{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2}}, "tokenizer": "{tokenizer_dir}"}}',
+        "--model.init_args.reward_model=null", "--model.init_args.reward_fn=ppo_rewards:e_rate",
+        "--model.init_args.max_rollouts=3", "--model.init_args.generation.max_new_tokens=6",
+        f"--data.init_args.tokenizer={tokenizer_dir}", f"--data.init_args.train_path={prompt_file}",
+        f"--data.init_args.val_path={prompt_file}", "--data.init_args.test_path=null",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        f"--trainer.logger.init_args.save_dir={run}", f"--trainer.default_root_dir={run}",
+        "--trainer.callbacks=lit_rlhf.callbacks.HFExport", f"--trainer.callbacks.dirpath={run}/export",
+        "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scalars = tb_scalars(run)
+    for tag in ("rollout/score", "rollout/engine_generate_s", "rollout/engine_sync_s", "rollout/is_weight_mean",
+                "val/score"):  # fmt: skip
+        assert tag in scalars, (tag, sorted(scalars))
+    assert (run / "export" / "actor" / "config.json").exists()
