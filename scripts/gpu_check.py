@@ -2,9 +2,13 @@
 
     python scripts/gpu_check.py                # every visible GPU, one process each (Lightning launches them)
     python scripts/gpu_check.py --tiny         # CPU smoke run of the same code path (tiny model, 1 process)
+    python scripts/gpu_check.py --vllm         # GRPO with the vLLM engine instead (1 GPU; the vllm extra)
+    python scripts/gpu_check.py --vllm --tiny  # its CPU smoke run (in .venv-vllm)
 
 Prints time per rollout, generation tokens/s, update tokens/s (tokens through forward+backward of the
-PPO update) and peak GPU memory, summed or maxed over ranks. Needs no network: the tokenizer is trained
+PPO update) and peak GPU memory, summed or maxed over ranks. With ``--vllm``: GRPO for a few rollouts with
+responses from the vLLM engine (bf16 weights in vLLM, the trainer's bf16 actor), printing the trainer-vs-engine
+log-prob mismatch and importance ratios, the weight-sync time and generation tokens/s. Needs no network: the tokenizer is trained
 locally and the data are random token ids (the figures measure speed, not learning). Never run by tests.
 """
 
@@ -17,16 +21,20 @@ import tempfile
 import time
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_rlhf.models import ModelSpec, train_bpe_tokenizer
-from lit_rlhf.modules import PPOModule, RewardModelModule
+from lit_rlhf.modules import CriticFreeModule, PPOModule, RewardModelModule
 from lit_rlhf.rollout import GenerationSettings
 
 LLAMA_05B = dict(
     model_type="llama", hidden_size=1280, intermediate_size=3456, num_hidden_layers=24,
     num_attention_heads=20, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+)  # fmt: skip
+LLAMA_TINY_VLLM = dict(  # head dim 32: vLLM's CPU attention refuses smaller ones
+    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, vocab_size=512, max_position_embeddings=256,
 )  # fmt: skip
 LLAMA_TINY = dict(
     model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -60,8 +68,8 @@ def pair_collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-class TimedPPO(PPOModule):
-    """PPOModule that measures its generation and update phases."""
+class Timed:
+    """An online module mixin that measures its generation and update phases (PPO and GRPO below)."""
 
     def on_train_start(self) -> None:
         self.times = {"rollout": [], "generate": [], "update": []}
@@ -88,6 +96,14 @@ class TimedPPO(PPOModule):
         return kl
 
 
+class TimedPPO(Timed, PPOModule):
+    pass
+
+
+class TimedGRPO(Timed, CriticFreeModule):
+    pass
+
+
 def trainer(args, **kwargs) -> Trainer:
     n = 1 if args.tiny else torch.cuda.device_count()
     return Trainer(
@@ -107,18 +123,61 @@ def reduce(module, value: float, op: str) -> float:
     return float(module.trainer.strategy.reduce(t, reduce_op="sum") if op == "sum" else module.all_gather(t).max())
 
 
+class Last(Callback):
+    """Keeps the logged metrics of every rollout."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        module.rows = [*getattr(module, "rows", []), {k: float(v) for k, v in trainer.callback_metrics.items()}]
+
+
+def vllm_check(args, spec: ModelSpec, vocab: int, prompt_len: int, new_tokens: int, batch: int) -> None:
+    """GRPO (K = 4) with the vLLM engine on one device: mismatch, sync time and generation speed."""
+    from lit_rlhf.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(dtype="bfloat16", gpu_memory_utilization=0.3, kv_cache_gib=1 if args.tiny else None)
+    grpo = TimedGRPO(
+        actor=spec, reward_fn="gpu_check:token_share", engine=engine,
+        generation=GenerationSettings(max_new_tokens=new_tokens, num_samples=4),
+        update={"epochs": 1, "num_minibatches": 2}, scoring={"forward_batch_size": batch},
+        samples={"every": 0}, max_rollouts=args.rollouts,
+    )  # fmt: skip
+    prompts = random_rows(batch // 4 * args.rollouts, prompt_len, vocab)
+    accelerator = "cpu" if args.tiny else "gpu"
+    Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=1, callbacks=[Last()]).fit(
+        grpo, torch.utils.data.DataLoader(prompts, batch_size=batch // 4))  # fmt: skip
+    rows = grpo.rows[1:] or grpo.rows
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    n_params = sum(p.numel() for p in grpo.actor.parameters())
+    print(f"\n== gpu_check --vllm: {n_params / 1e6:.1f}M-parameter Llama, bf16, vLLM engine on 1 {accelerator}")
+    print(f"generation:         {grpo.tokens['generate'] / sum(grpo.times['generate']):,.0f} tokens/s")
+    print(f"weight sync:        {mean('rollout/engine_sync_s'):.3f} s per update (mean after the first rollout)")
+    print(f"log-prob mismatch:  mean {mean('rollout/logprob_diff_mean'):.2e}, max {max(r['rollout/logprob_diff_max'] for r in rows):.2e} nats")
+    print(f"IS ratio:           mean {mean('rollout/is_ratio_mean'):.4f}, min {min(r['rollout/is_ratio_min'] for r in rows):.4f}, "
+          f"max {max(r['rollout/is_ratio_max'] for r in rows):.4f}; ESS {mean('rollout/is_ess'):.4f}")  # fmt: skip
+    print(f"time per rollout:   {sum(grpo.times['rollout'][1:]) / max(len(grpo.times['rollout']) - 1, 1):.2f} s")
+
+
+def token_share(prompts: list[str], responses: list[str]) -> list[float]:
+    """A rule reward for the vLLM check: the share of "a" characters (the figures measure speed)."""
+    return [r.count("a") / max(len(r), 1) for r in responses]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--tokenizer", default=os.path.join(tempfile.gettempdir(), "lit_rlhf_gpu_check_tok"))
+    parser.add_argument("--vllm", action="store_true", help="GRPO with the vLLM engine (one device)")
     args = parser.parse_args()
-    cfg = LLAMA_TINY if args.tiny else LLAMA_05B
+    cfg = (LLAMA_TINY_VLLM if args.vllm else LLAMA_TINY) if args.tiny else LLAMA_05B
     seq, prompt_len, new_tokens, batch = (32, 16, 16, 4) if args.tiny else (512, 128, 256, 32)
     if not os.path.isdir(args.tokenizer):
         local_tokenizer(args.tokenizer)
     spec = ModelSpec(config=cfg, tokenizer=args.tokenizer, dtype="bfloat16", gradient_checkpointing=True, seed=0)
     seed_everything(0)
+    if args.vllm:  # prompts of the tokenizer's ids: vLLM refuses ids its tokenizer does not have
+        return vllm_check(args, spec, 300, prompt_len, new_tokens, batch)
 
     # 1. Reward-model fit: tokens/s of forward+backward on (chosen, rejected) pairs.
     rm = RewardModelModule(spec, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5), scheduler=None)

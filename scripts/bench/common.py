@@ -181,6 +181,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, float, float]] = []
+        self.engine: list[dict[str, float]] = []  # lit_rlhf's RolloutEngine.stats() per rollout (sync_s, ...)
         self._update_open = False
         self._optimizer = [0.0, 0.0]  # wall, CPU spent in Optimizer.step since the last iter_end
         self._step_start = (0.0, 0.0)

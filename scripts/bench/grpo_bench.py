@@ -62,6 +62,7 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             timeline.mark("iter_end")
+            timeline.engine.append(module.engine.stats())
 
     size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
     kwargs = dict(
@@ -191,6 +192,7 @@ def main() -> None:
             response_tokens=tokens,
             rows_per_rollout=SIZES[args.size]["grpo_groups"] * GRPO["num_generations"],
             rollouts=rollouts,
+            engine_stats=timeline.engine,
             **footprint(args.impl),
         )
     )

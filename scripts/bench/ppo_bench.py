@@ -97,6 +97,7 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             timeline.mark("iter_end")
+            timeline.engine.append(module.engine.stats())
 
     S, models, prompts = workload(args)
     actor_opt = default_optimizer(PPOModule, "actor_optimizer", lr=S["lr"], weight_decay=0.0)
@@ -273,6 +274,7 @@ def main() -> None:
             tokens_per_rollout=settings["batch"] * settings["response_len"],  # the control's (no early stop)
             response_tokens=tokens,
             rollouts=timeline.rollouts(),
+            engine_stats=timeline.engine,
             update_flops=flops[0] if flops else None,
             **footprint(args.impl),
         )
