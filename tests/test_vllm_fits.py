@@ -4,6 +4,8 @@ sync), a seeded run repeats, and a LoRA actor is synced. Runs in ``.venv-vllm`` 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -127,3 +129,27 @@ def test_the_cli_runs_grpo_with_engine_vllm(tokenizer_dir, prompt_file, tmp_path
                 "val/score"):  # fmt: skip
         assert tag in scalars, (tag, sorted(scalars))
     assert (run / "export" / "actor" / "config.json").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1"])
+def test_a_vllm_engine_per_rank_under_data_parallelism(tokenizer_dir, tmp_path, strategy):
+    # two processes (gloo), each with its own vLLM engine generating its prompts; sharded actors are
+    # gathered for every sync; the trainer's process group outlives the engines (the export runs after)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "vllm_ddp_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           "--strategy", strategy, "--tokenizer", tokenizer_dir, "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+    assert proc.returncode == 0, ranks[-3000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len(rows) == 4
+    assert_on_policy(rows)  # the metrics are reduced over both ranks: max and mean over every engine
+    assert rows[-1]["rollout/kl_ref"] > 0.01
+    assert (tmp_path / "export" / "actor" / "config.json").exists()

@@ -26,6 +26,7 @@ T response length (right-padded).
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import random
 import tempfile
@@ -35,7 +36,13 @@ from typing import Any
 import torch
 
 from lit_rlhf.engines.base import Responses, RolloutEngine
-from lit_rlhf.engines.vllm_weights import call_with_timeout, check_manifest, hf_weights, is_lora
+from lit_rlhf.engines.vllm_weights import (
+    architecture,
+    base_model,
+    call_with_timeout,
+    check_manifest,
+    hf_weights,
+)
 
 __all__ = ["VLLMEngine"]
 
@@ -108,6 +115,7 @@ class VLLMEngine(RolloutEngine):
         self._folder: tempfile.TemporaryDirectory | None = None
         self._asleep = False
         self._broken: str | None = None
+        self._owns_process_group = True
 
     def init_args(self) -> dict[str, Any]:
         return dict(self._args)
@@ -117,12 +125,11 @@ class VLLMEngine(RolloutEngine):
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, tokenizer: Any, *, world_size: int = 1) -> None:
-        """Start vLLM for ``model`` (first call) and load its weights; later calls only sync the weights."""
-        if world_size > 1:
-            raise NotImplementedError(
-                f"VLLMEngine runs with one trainer process (world_size={world_size}); multi-process rollouts "
-                "with a colocated vLLM per rank are not supported yet: use engine: hf"
-            )
+        """Start vLLM for ``model`` (first call) and load its weights; later calls only sync the weights.
+
+        Under data parallelism (DDP, FSDP) every rank starts its own engine, which generates that rank's
+        prompts; every rank must call this (a sharded actor's weights are gathered collectively).
+        """
         super().setup(model, tokenizer, world_size=world_size)
         if self.llm is None:
             self.llm = self._start(model, tokenizer)
@@ -140,10 +147,10 @@ class VLLMEngine(RolloutEngine):
             from lit_rlhf.engines.vllm_processor import HFWarpProcessor
         except ImportError as err:
             raise ImportError(f"VLLMEngine needs vLLM ({INSTALL_HINT}): {err}") from err
-        base = model.get_base_model() if is_lora(model) else model
+        base = base_model(model)
         self._folder = tempfile.TemporaryDirectory(prefix="lit_rlhf_vllm_")
         config = copy.deepcopy(base.config)
-        config.architectures = [type(base).__name__]  # a config built from a dict has none: vLLM would guess
+        config.architectures = [architecture(base)]  # a config built from a dict has none: vLLM would guess
         config.save_pretrained(self._folder.name)
         tokenizer.save_pretrained(self._folder.name)
         dtype = self._args["dtype"]
@@ -158,6 +165,11 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=self._sleeps(),
             **self._args["engine_kwargs"],
         )  # fmt: skip
+        import torch.distributed as dist
+
+        # vLLM joins a process group that exists (the trainer's, one engine per rank) and creates one
+        # otherwise; its shutdown destroys the default group, so it is shut down only if it made that
+        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         with _preserved_process_state():  # vLLM seeds the global generators and patches torch
             start = time.perf_counter()
             llm = LLM(**kwargs)
@@ -210,9 +222,10 @@ class VLLMEngine(RolloutEngine):
         if self.llm is not None:
             engine = getattr(self.llm, "llm_engine", None)
             shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if callable(shutdown):
+            if callable(shutdown) and self._owns_process_group:
                 shutdown()
             self.llm = None
+            gc.collect()
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None

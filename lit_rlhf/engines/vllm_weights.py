@@ -16,18 +16,37 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["call_with_timeout", "check_manifest", "hf_weights", "is_lora"]
+__all__ = ["architecture", "base_model", "call_with_timeout", "check_manifest", "hf_weights", "is_lora", "unwrapped"]
 
 R = TypeVar("R")
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside an FSDP1 wrapper (FSDP2 and DDP keep the model object)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return model.module if isinstance(model, FSDP) else model
+
+
 def is_lora(model: nn.Module) -> bool:
-    """True for a peft model (its weights are merged before vLLM loads them)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
+    """True for a peft model, wrapped by FSDP1 or not (its weights are merged before vLLM loads them)."""
+    from peft import PeftModel
+
+    return isinstance(unwrapped(model), PeftModel)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model vLLM builds: inside FSDP1's wrapper and peft's."""
+    model = unwrapped(model)
+    return model.get_base_model() if is_lora(model) else model
+
+
+def architecture(model: nn.Module) -> str:
+    """The class name of ``model`` as its checkpoint's ``architectures`` gives it (FSDP2's ``fully_shard``
+    swaps the class for a generated ``FSDP<Name>`` subclass: its first non-FSDP base is the model's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
