@@ -68,11 +68,13 @@ def test_ppo_with_the_vllm_engine_raises_the_rule_reward(tokenizer_dir, tmp_path
     assert_on_policy(rows)
 
 
-def test_a_lora_actor_is_synced_after_every_update(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
+def test_a_lora_actor_is_synced_after_every_update(tokenizer_dir, tmp_path, lora_sync):
+    engine = {"class_path": "vllm", "init_args": {"kv_cache_gib": 1, "lora_sync": lora_sync}}
     torch.manual_seed(0)
     actor = {"config": vllm_llama(322), "tokenizer": tokenizer_dir, "seed": 0,
              "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"]}}  # fmt: skip
-    module = tiny_critic_free(tokenizer_dir, vllm_llama(322), actor=actor, engine=ENGINE, reward_fn=REWARD, max_rollouts=8,
+    module = tiny_critic_free(tokenizer_dir, vllm_llama(322), actor=actor, engine=engine, reward_fn=REWARD, max_rollouts=8,
                               actor_optimizer=lambda p: torch.optim.AdamW(p, lr=3e-2))  # fmt: skip
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
     rows = read_metrics(tmp_path)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import random
 import tempfile
 import time
 from typing import Any
@@ -36,12 +35,17 @@ from typing import Any
 import torch
 
 from lit_rlhf.engines.base import Responses, RolloutEngine
+from lit_rlhf.engines.process_state import preserved_process_state
 from lit_rlhf.engines.vllm_weights import (
     architecture,
     base_model,
     call_with_timeout,
     check_manifest,
     hf_weights,
+    is_fsdp2,
+    is_lora,
+    lora_rank_limit,
+    unwrapped,
 )
 
 __all__ = ["VLLMEngine"]
@@ -68,6 +72,10 @@ class VLLMEngine(RolloutEngine):
         sleep_level: 1 frees the KV cache and offloads the weights while the update runs (``LLM.sleep``),
             where the platform supports it (vLLM's CPU platform does not: a no-op there); 0 never sleeps.
         sync_timeout_s: a weight sync that takes longer raises ``TimeoutError`` (it never hangs the run).
+        lora_sync: how a LoRA actor reaches vLLM: ``"merged"`` (W + scale B A into vLLM's plain weights at
+            every sync) or ``"adapter"`` (vLLM's LoRA support: the base weights once, then the adapter saved
+            with ``save_pretrained`` and loaded as a new ``LoRARequest`` at every sync; an unsharded actor
+            whose adapters have no ``modules_to_save``). Ignored for a full actor.
         engine_kwargs: further keyword arguments of ``vllm.LLM`` (e.g. ``{"max_num_seqs": 64}``).
 
     Raises:
@@ -86,6 +94,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         sleep_level: int = 1,
         sync_timeout_s: float = 300.0,
+        lora_sync: str = "merged",
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if dtype not in DTYPES:
@@ -100,6 +109,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine: sleep_level must be 0 or 1, got {sleep_level}")
         if not sync_timeout_s > 0:
             raise ValueError(f"VLLMEngine: sync_timeout_s must be > 0, got {sync_timeout_s}")
+        if lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"VLLMEngine: lora_sync must be 'merged' or 'adapter', got {lora_sync!r}")
         reserved = sorted(set(engine_kwargs or {}) & set(_RESERVED))
         if reserved:
             raise ValueError(f"VLLMEngine: engine_kwargs may not set {reserved}: the engine sets them itself")
@@ -107,7 +118,7 @@ class VLLMEngine(RolloutEngine):
             dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, sleep_level=sleep_level, sync_timeout_s=sync_timeout_s,
-            engine_kwargs=dict(engine_kwargs or {}),
+            lora_sync=lora_sync, engine_kwargs=dict(engine_kwargs or {}),
         )  # fmt: skip
         self.llm: Any = None
         self.model: torch.nn.Module | None = None
@@ -116,6 +127,7 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self._broken: str | None = None
         self._owns_process_group = True
+        self._adapters = False
 
     def init_args(self) -> dict[str, Any]:
         return dict(self._args)
@@ -162,19 +174,47 @@ class VLLMEngine(RolloutEngine):
             max_model_len=self._args["max_model_len"] or getattr(base.config, "max_position_embeddings", None),
             enable_prefix_caching=self._args["enable_prefix_caching"], enforce_eager=self._args["enforce_eager"],
             logprobs_mode="processed_logprobs", logits_processors=[HFWarpProcessor],
-            enable_sleep_mode=self._sleeps(),
-            **self._args["engine_kwargs"],
+            enable_sleep_mode=self._sleeps(), **self._adapter_kwargs(model),
         )  # fmt: skip
+        kwargs.update(_platform_kwargs(kwargs["max_model_len"]), **self._args["engine_kwargs"])
         import torch.distributed as dist
 
         # vLLM joins a process group that exists (the trainer's, one engine per rank) and creates one
         # otherwise; its shutdown destroys the default group, so it is shut down only if it made that
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
-        with _preserved_process_state():  # vLLM seeds the global generators and patches torch
+        with preserved_process_state():  # vLLM seeds the global generators and patches torch
             start = time.perf_counter()
             llm = LLM(**kwargs)
         self.timings["start_s"] = time.perf_counter() - start
         return llm
+
+    def _adapter_kwargs(self, model: torch.nn.Module) -> dict[str, Any]:
+        """vLLM's LoRA arguments when the actor's adapters are synced as adapters (``lora_sync="adapter"``)."""
+        self._adapters = self._args["lora_sync"] == "adapter" and is_lora(model)
+        if not self._adapters:
+            return {}
+        config = unwrapped(model).peft_config[unwrapped(model).active_adapter]
+        if getattr(config, "modules_to_save", None) or model is not unwrapped(model) or is_fsdp2(model):
+            raise ValueError(
+                "VLLMEngine: lora_sync='adapter' needs an unsharded actor whose adapters have no modules_to_save "
+                f"(got modules_to_save={config.modules_to_save}); use lora_sync='merged'"
+            )
+        return dict(enable_lora=True, max_lora_rank=lora_rank_limit(int(config.r)), max_loras=1)
+
+    def _sync_adapter(self, model: torch.nn.Module) -> None:
+        """The base weights at the first sync, then the adapter as a new ``LoRARequest`` (saved to a folder)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_version = getattr(self, "_lora_version", 0) + 1
+        folder = os.path.join(self._folder.name, f"adapter_{self._lora_version}")
+        start = time.perf_counter()
+        model.save_pretrained(folder)
+        if self._lora_version == 1:
+            self._reload(hf_weights(model, merge_lora=False))
+        previous, self._lora = getattr(self, "_lora", None), LoRARequest(f"actor_{self._lora_version}", self._lora_version, folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.timings["sync_s"] = time.perf_counter() - start
 
     def _sleeps(self) -> bool:
         if self._args["sleep_level"] == 0:
@@ -196,7 +236,14 @@ class VLLMEngine(RolloutEngine):
         """
         if self.llm is None:
             return  # not started yet: setup loads the weights
-        weights = hf_weights(model)
+        if self._adapters:
+            self._sync_adapter(model)
+        else:
+            self.timings["sync_s"] = self._reload(hf_weights(model))
+        self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> float:
+        """vLLM's ``reload_weights`` with ``weights`` (checked against the first sync's), under the timeout."""
         self._manifest = check_manifest(weights, getattr(self, "_manifest", None))
         rpc = lambda: self.llm.collective_rpc(  # noqa: E731
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
@@ -204,8 +251,7 @@ class VLLMEngine(RolloutEngine):
         self._broken = "a weight sync is under way"
         _, seconds = call_with_timeout(rpc, self._args["sync_timeout_s"], "VLLMEngine.sync_weights (vLLM reload_weights)")
         self._broken = None
-        self.timings["sync_s"] = seconds
-        self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
+        return seconds
 
     def sleep(self) -> None:
         if self.llm is not None and self._sleeps() and not self._asleep:
@@ -246,7 +292,7 @@ class VLLMEngine(RolloutEngine):
         requests, params, n = sampling_requests(prompt_ids, prompt_mask, settings, self.tokenizer, greedy)
         RECORDS.clear()
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora if self._adapters else None)
         self.timings["generate_s"] = time.perf_counter() - start
         try:
             return responses_from_outputs(outputs, requests, n, settings, self.tokenizer, greedy, prompt_ids.device)
@@ -254,32 +300,16 @@ class VLLMEngine(RolloutEngine):
             RECORDS.clear()
 
 
+def _platform_kwargs(max_model_len: int | None) -> dict[str, Any]:
+    """On CPU, no chunked prefill: vLLM 0.32 then rewinds the per-request seeded generator of a request whose
+    prompt was split across steps, which a CPU generator cannot do ("CPU Generator does not use offset")."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len or 0, 8192))
+
+
 # what VLLMEngine passes to vllm.LLM itself
 _RESERVED = ("model", "load_format", "dtype", "seed", "logprobs_mode", "logits_processors", "enable_sleep_mode",
-             "tokenizer")
-
-
-class _preserved_process_state:
-    """Keep the global random generators and ``torch.set_num_threads`` as they were around vLLM's start:
-    vLLM seeds Python's, NumPy's and torch's generators and replaces ``torch.set_num_threads`` on CPU,
-    which would change the run's random stream (and break an exact resume) and the trainer's threads."""
-
-    def __enter__(self) -> None:
-        import numpy as np
-
-        self.state = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads())
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.set_num_threads = torch.set_num_threads
-
-    def __exit__(self, *exc: Any) -> None:
-        import numpy as np
-
-        py, np_state, torch_state, threads = self.state
-        random.setstate(py)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        torch.set_num_threads = self.set_num_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+             "tokenizer", "enable_lora", "max_lora_rank", "max_loras")

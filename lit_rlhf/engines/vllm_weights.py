@@ -16,7 +16,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["architecture", "base_model", "call_with_timeout", "check_manifest", "hf_weights", "is_lora", "unwrapped"]
+__all__ = [
+    "architecture", "base_model", "call_with_timeout", "check_manifest", "hf_weights", "is_fsdp2", "is_lora",
+    "lora_rank_limit", "unwrapped",
+]  # fmt: skip
 
 R = TypeVar("R")
 
@@ -68,14 +71,14 @@ def _strip(name: str) -> str:
     return name
 
 
-def _merged_lora(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's weights of a peft LoRA ``model`` with every active adapter's delta added, in the
-    base model's own names (``model.layers.0.self_attn.q_proj.weight``)."""
+def _merged_lora(model: nn.Module, state: dict[str, torch.Tensor], merge: bool = True) -> dict[str, torch.Tensor]:
+    """The base model's weights of a peft LoRA ``model`` with every active adapter's delta added (``merge``;
+    else the base weights alone), in the base model's own names (``model.layers.0.self_attn.q_proj.weight``)."""
     from peft.tuners.lora import LoraLayer
 
     deltas: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
+        if merge and isinstance(module, LoraLayer) and not module.merged:
             weight = _strip(f"{name}.base_layer.weight")
             delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
             if isinstance(delta, torch.Tensor):
@@ -91,15 +94,16 @@ def _merged_lora(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs of ``model`` as a Hugging Face checkpoint names them (LoRA merged).
+def hf_weights(model: nn.Module, merge_lora: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of ``model`` as a Hugging Face checkpoint names them (LoRA merged, or the
+    base weights without the adapters when not ``merge_lora``).
 
     Every rank of a sharded model must call it (the gather is collective); the tensors are detached and
     never the trainer's own storage for merged weights.
     """
     state = _full_state_dict(model)
     if is_lora(model):
-        state = _merged_lora(model, state)
+        state = _merged_lora(model, state, merge=merge_lora)
     else:
         state = {_strip(name): tensor for name, tensor in state.items()}
     return list(state.items())
@@ -164,3 +168,15 @@ def call_with_timeout(fn: Callable[[], R], timeout_s: float, what: str) -> tuple
         err = result["error"]
         raise RuntimeError(f"{what} failed after {elapsed:.2f} s: {type(err).__name__}: {err}") from err
     return result["value"], elapsed
+
+
+def lora_rank_limit(r: int) -> int:
+    """The smallest LoRA rank vLLM accepts for ``max_lora_rank`` that holds ``r``."""
+    return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= r), r)
+
+
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """True when ``model`` or one of its submodules is sharded by FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
