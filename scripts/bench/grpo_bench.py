@@ -160,6 +160,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             disable_dropout=True,
             logging_steps=1,
             **TRL_COMMON,
+            **TRL_VLLM.get(args.trl_vllm, {}),
         )
         trainer = TimedGRPOTrainer(
             model=model, reward_funcs=[bench_reward], args=config, train_dataset=data,
@@ -169,9 +170,16 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# --trl-vllm colocate: GRPOTrainer's vLLM generation in the trainer process, as a TRL user with vLLM picks it
+# (vLLM must be importable: the vLLM environment with trl on the path, see engine_bench.py)
+TRL_VLLM = {"colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+                             vllm_enable_sleep_mode=False, vllm_importance_sampling_correction=True)}  # fmt: skip
+
+
 def main() -> None:
     parser = bench_parser(__doc__, lit_args=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--trl-vllm", choices=sorted(TRL_VLLM), help="TRL generates with vLLM (colocate)")
     args = parser.parse_args()
     set_threads(args.threads)
     import torch
