@@ -32,6 +32,7 @@ def model(tokenizer_dir):
         (dict(max_model_len=1), "max_model_len must be >= 2"),
         (dict(sleep_level=2), "sleep_level must be 0 or 1"),
         (dict(sync_timeout_s=0), "sync_timeout_s must be > 0"),
+        (dict(lora_sync="both"), "lora_sync must be .merged. or .adapter."),
         (dict(engine_kwargs={"seed": 3, "max_num_seqs": 4}), r"engine_kwargs may not set \[.seed.\]"),
     ],
 )
