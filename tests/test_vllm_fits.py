@@ -155,3 +155,26 @@ def test_a_vllm_engine_per_rank_under_data_parallelism(tokenizer_dir, tmp_path, 
     assert_on_policy(rows)  # the metrics are reduced over both ranks: max and mean over every engine
     assert rows[-1]["rollout/kl_ref"] > 0.01
     assert (tmp_path / "export" / "actor" / "config.json").exists()
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(tokenizer_dir, tmp_path, prompt_file):
+    # 4 rollouts uninterrupted vs 2 + resume to 4 with the vLLM engine: rollouts 3-4 log the same values
+    # (the engine restarts with the resumed weights; the request seeds come from the restored generator)
+    from test_ppo import StopAfter
+
+    from lit_rlhf.data import PromptDataModule
+
+    def run(root, callbacks=(), ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_critic_free(tokenizer_dir, vllm_llama(322), engine=ENGINE, reward_fn=REWARD, max_rollouts=4)
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(module, data, ckpt_path=ckpt_path)
+        return read_metrics(root)
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "part", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    assert len(full) == 4 and len(resumed) == 2
+    for a, b in zip(full[2:], resumed):
+        for key in set(a) - {"epoch", "step", *TIMINGS}:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
