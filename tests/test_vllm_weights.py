@@ -28,7 +28,8 @@ def model(tokenizer_dir):
     [
         (dict(dtype="fp8"), "dtype must be one of"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in"),
-        (dict(kv_cache_gib=0), "kv_cache_gib must be > 0"),
+        (dict(kv_cache_gib=0), "kv_cache_gib must be a whole number of GiB >= 1"),
+        (dict(kv_cache_gib=1.5), "kv_cache_gib must be a whole number"),
         (dict(max_model_len=1), "max_model_len must be >= 2"),
         (dict(sleep_level=2), "sleep_level must be 0 or 1"),
         (dict(sync_timeout_s=0), "sync_timeout_s must be > 0"),

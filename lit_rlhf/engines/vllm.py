@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -63,8 +64,8 @@ class VLLMEngine(RolloutEngine):
             mismatch it brings is logged as ``rollout/is_ratio_*`` and corrected by the importance weights).
         gpu_memory_utilization: share of the accelerator memory vLLM may take (weights + KV cache); ignored
             on CPU, where ``kv_cache_gib`` sizes the KV cache.
-        kv_cache_gib: CPU only, the KV cache size in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``; None = vLLM's
-            default). Set before the engine starts.
+        kv_cache_gib: CPU only, the KV cache size in whole GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``, set
+            when the engine starts; None = vLLM's default).
         max_model_len: the longest prompt + response vLLM plans for (None = the model's
             ``max_position_embeddings``).
         enable_prefix_caching: reuse a prompt's KV cache across its K samples and across rollouts.
@@ -88,7 +89,7 @@ class VLLMEngine(RolloutEngine):
         self,
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.3,
-        kv_cache_gib: float | None = None,
+        kv_cache_gib: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
@@ -101,8 +102,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if kv_cache_gib is not None and not kv_cache_gib > 0:
-            raise ValueError(f"VLLMEngine: kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
+        if kv_cache_gib is not None and not (isinstance(kv_cache_gib, int) and kv_cache_gib >= 1):
+            raise ValueError(f"VLLMEngine: kv_cache_gib must be a whole number of GiB >= 1 or None, got {kv_cache_gib!r}")
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"VLLMEngine: max_model_len must be >= 2 or None, got {max_model_len}")
         if sleep_level not in (0, 1):
@@ -127,7 +128,14 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self._broken: str | None = None
         self._owns_process_group = True
+        self._reset_weight_state()
+
+    def _reset_weight_state(self) -> None:
+        """What a started engine knows of the weights it holds (forgotten when it closes)."""
         self._adapters = False
+        self._manifest: dict | None = None
+        self._lora: Any = None  # the LoRARequest of the synced adapter (lora_sync="adapter")
+        self._lora_version = 0
 
     def init_args(self) -> dict[str, Any]:
         return dict(self._args)
@@ -152,7 +160,7 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights handed over in memory
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # binding would pin the trainer's threads
         if self._args["kv_cache_gib"] is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(max(1, round(self._args["kv_cache_gib"]))))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._args["kv_cache_gib"])
         try:
             from vllm import LLM
 
@@ -205,15 +213,17 @@ class VLLMEngine(RolloutEngine):
         """The base weights at the first sync, then the adapter as a new ``LoRARequest`` (saved to a folder)."""
         from vllm.lora.request import LoRARequest
 
-        self._lora_version = getattr(self, "_lora_version", 0) + 1
+        self._lora_version += 1
         folder = os.path.join(self._folder.name, f"adapter_{self._lora_version}")
         start = time.perf_counter()
         model.save_pretrained(folder)
         if self._lora_version == 1:
             self._reload(hf_weights(model, merge_lora=False))
-        previous, self._lora = getattr(self, "_lora", None), LoRARequest(f"actor_{self._lora_version}", self._lora_version, folder)
-        if previous is not None:
+        previous = self._lora
+        self._lora = LoRARequest(f"actor_{self._lora_version}", self._lora_version, folder)
+        if previous is not None:  # vLLM forgets it, and its folder goes
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.timings["sync_s"] = time.perf_counter() - start
 
     def _sleeps(self) -> bool:
@@ -244,7 +254,7 @@ class VLLMEngine(RolloutEngine):
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> float:
         """vLLM's ``reload_weights`` with ``weights`` (checked against the first sync's), under the timeout."""
-        self._manifest = check_manifest(weights, getattr(self, "_manifest", None))
+        self._manifest = check_manifest(weights, self._manifest)
         rpc = lambda: self.llm.collective_rpc(  # noqa: E731
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
@@ -276,6 +286,7 @@ class VLLMEngine(RolloutEngine):
             self._folder.cleanup()
             self._folder = None
         self._asleep = False
+        self._reset_weight_state()
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, prompt_ids, prompt_mask, settings, *, greedy: bool = False) -> Responses:
