@@ -1,6 +1,6 @@
 # The two set-up commands of the README:
 #   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/)
-#   make test   - ruff + the default test suite (not the slow end-to-end fits nor the multi-process tests),
+#   make test   - ruff + the default test suite with the multi-process tests (not the slow end-to-end fits),
 #                 then the vLLM engine's tests against the real vLLM in .venv-vllm (built beside the main
 #                 suite, in the background: vLLM pins an older transformers than the main environment's)
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
@@ -11,7 +11,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-TEST_MARKERS ?= not slow and not distributed and not vllm
+TEST_MARKERS ?= not slow and not vllm
 VLLM_VENV ?= .venv-vllm
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_fits.py
 

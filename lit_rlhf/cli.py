@@ -43,6 +43,7 @@ from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
 from lit_rlhf.cli_errors import DEBUG_ENV, fail, fail_on_project_error, in_setup_hook, moved_keys_message
 from lit_rlhf.cli_resume import FIXED_ON_RESUME, CheckpointInfo, _import_class, find_last_checkpoint
+from lit_rlhf.process_groups import release_process_groups
 
 __all__ = ["DEBUG_ENV", "FIXED_ON_RESUME", "LitRLHFCLI", "main", "moved_keys_message", "run_cli"]
 
@@ -287,8 +288,10 @@ def run_cli(args: list[str] | None = None) -> LitRLHFCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Console-script entry point of ``lit-rlhf``."""
+    """Console-script entry point of ``lit-rlhf``; after a subcommand that ran to its end, the process groups of
+    a multi-process run are destroyed while the interpreter is whole (see :mod:`lit_rlhf.process_groups`)."""
     run_cli(args)
+    release_process_groups()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """One process of the multi-process strategy tests (run under ``torch.distributed.run`` or alone).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py \
-        --strategy fsdp2 --tokenizer TOK_DIR --out OUT_DIR
-    python tests/distributed_worker.py --strategy single --tokenizer TOK_DIR --out OUT_DIR
+        --strategy fsdp2 --tokenizer TOK_DIR --out OUT_DIR [--runs ppo,grpo,dpo] [--resume]
+    python tests/distributed_worker.py --strategy single --tokenizer TOK_DIR --out OUT_DIR [--runs ...]
 
-Runs a reward-model fit, PPO fits (full fine-tuning with a separate critic; LoRA with a shared
-backbone) and, under ``--resume``, PPO saved after one rollout and resumed; ``--runs grpo`` runs a
-GRPO fit (K = 2 sampled responses per prompt) instead, ``--runs dpo`` DPO fits (live and precomputed
-reference). Every run uses the same
+``--runs`` (comma-separated; one launch runs them in turn, each from ``seed_everything(0)``): ``ppo``, a
+reward-model fit and PPO fits (full fine-tuning with a separate critic; LoRA with a shared backbone);
+``grpo``, a GRPO fit (K = 2 sampled responses per prompt); ``dpo``, DPO fits (live and precomputed
+reference); under ``--resume`` also PPO saved after one rollout and resumed. Every run uses the same
 global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
-the first rollout's greedy responses (keyed by prompt) and the wall time per rollout.
+the first rollout's greedy responses (keyed by prompt) and the wall time per rollout, after releasing its
+process groups; a rank with a gloo worker thread still running then exits non-zero.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from lit_rlhf.data import PreferenceDataModule  # noqa: E402
 from lit_rlhf.engines import Responses  # noqa: E402
 from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
 from lit_rlhf.modules import CriticFreeModule, DPOModule, PPOModule, RewardModelModule  # noqa: E402
+from lit_rlhf.process_groups import release_process_groups  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -332,24 +334,31 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--runs", choices=["ppo", "grpo", "dpo"], default="ppo", help="RM + PPO runs, GRPO or DPO")
+    parser.add_argument("--runs", default="ppo", help="comma-separated, in this order: ppo (RM + PPO runs), grpo, dpo")
     args = parser.parse_args()
+    runs = args.runs.split(",")
+    if not runs or not set(runs) <= {"ppo", "grpo", "dpo"}:
+        parser.error(f"--runs: a comma-separated list of ppo, grpo, dpo, got {args.runs!r}")
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(args.tokenizer)
-    if args.runs == "grpo":
-        results = {"grpo": run_grpo(args, tok)}
-    elif args.runs == "dpo":
-        results = {"dpo": run_dpo(args, "dpo", False), "dpo_precomputed": run_dpo(args, "dpo_pre", True)}
-    else:
-        results = {
-            "rm": run_rm(args, tok),
-            "ppo": run_ppo(args, tok, "ppo", lora=False),
-            "ppo_lora": run_ppo(args, tok, "ppo_lora", lora=True),
-        }
-    if args.resume and args.runs == "ppo":
+    results: dict = {}
+    if "ppo" in runs:
+        results["rm"] = run_rm(args, tok)
+        results["ppo"] = run_ppo(args, tok, "ppo", lora=False)
+        results["ppo_lora"] = run_ppo(args, tok, "ppo_lora", lora=True)
+    if "grpo" in runs:
+        results["grpo"] = run_grpo(args, tok)
+    if "dpo" in runs:
+        results["dpo"] = run_dpo(args, "dpo", False)
+        results["dpo_precomputed"] = run_dpo(args, "dpo_pre", True)
+    if args.resume and "ppo" in runs:
         results["resume"] = run_resume(args, tok)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # the groups destroyed and gloo's threads joined before the interpreter exits (see lit_rlhf.process_groups)
+    if release_process_groups():
+        sys.exit(f"rank {rank}: gloo worker threads still running after release_process_groups()")
+    if rank == 0:
         (Path(args.out) / "results.json").write_text(json.dumps(results))
 
 

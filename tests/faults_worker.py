@@ -7,7 +7,8 @@ A PPO fit of a tiny Llama (4 rollouts of 4 prompts per rank, sampled responses) 
 and a ModelCheckpoint folder (``OUT_DIR/checkpoints``, so ``--ckpt-path last`` finds ``last-sigterm.ckpt``).
 Each rank writes ``OUT_DIR/pid_rank<r>`` as it starts and ``OUT_DIR/<NAME>_rank<r>.json`` as it ends: its exit
 status (143 after SIGTERM, 1 after an exception, 0), the error, its rollouts done, global step and a
-digest of its trainable weights (also taken when the fit stops on an exception, before teardown).
+digest of its trainable weights (also taken when the fit stops on an exception, before teardown), and
+after exit 0 or 143 the gloo worker threads left once its process groups are released.
 Rank 0's logged metrics are in ``OUT_DIR/<NAME>/version_0/metrics.csv``.
 
 Fault options: ``--wait-for-sigterm N --wait-ranks R,..``: those ranks stop at the start of rollout N
@@ -44,6 +45,7 @@ from lit_rlhf.callbacks import SigtermCheckpoint  # noqa: E402
 from lit_rlhf.data import PromptDataModule  # noqa: E402
 from lit_rlhf.models import ModelSpec  # noqa: E402
 from lit_rlhf.modules import PPOModule  # noqa: E402
+from lit_rlhf.process_groups import release_process_groups  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
 
 ROLLOUTS = 4
@@ -197,6 +199,8 @@ def main() -> None:
         report["finite_weights"] = module is not None and all(
             math.isfinite(float(p.detach().sum())) for p in module.parameters()
         )
+        if report["exit"] in (0, 143):  # every rank stopped at the same point: no collective waits for a peer
+            report["gloo_threads_left"] = release_process_groups()  # see lit_rlhf.process_groups
         report_path.write_text(json.dumps(report))
 
 

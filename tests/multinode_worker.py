@@ -28,7 +28,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -49,6 +48,7 @@ from distributed_worker import (
 
 from lit_rlhf.callbacks import HFExport  # noqa: E402
 from lit_rlhf.models import load_tokenizer  # noqa: E402
+from lit_rlhf.process_groups import release_process_groups  # noqa: E402
 
 SAMPLE_ROWS = 2  # rows of each rollout's sample table
 
@@ -175,8 +175,9 @@ def main() -> None:
     (info / f"rank{rank}.json").write_text(json.dumps({name: r["rank"] for name, r in results.items()}))
     if rank == 0:
         (info / "results.json").write_text(json.dumps({name: r["metrics"] for name, r in results.items()}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # the groups destroyed and gloo's threads joined before the interpreter exits (see lit_rlhf.process_groups)
+    if release_process_groups():
+        sys.exit(f"rank {rank}: gloo worker threads still running after release_process_groups()")
 
 
 if __name__ == "__main__":

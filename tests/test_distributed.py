@@ -1,58 +1,55 @@
 """RM, PPO and DPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
 Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, PPO
-fit, LoRA PPO fit; FSDP2 also saves sharded after one rollout and resumes), and FSDP2 a GRPO fit; the
-single-process run of the same script with the same global batch is the reference. Deselected by ``make test``
-(``-m "not distributed"``); run with ``pytest -m distributed tests/test_distributed.py``.
+fit, LoRA PPO fit; DDP and FSDP2 DPO fits; FSDP2 also a GRPO fit, and PPO saved sharded after one
+rollout and resumed); the single-process run of the same script with the same global batch is the
+reference. Every worker ends by
+releasing its process groups and fails if a gloo worker thread is still running then (such a thread
+used to abort a rank at interpreter exit: ``lit_rlhf/process_groups.py``); a launch running past
+``TIMEOUT`` is killed with its workers and fails its test. Part of ``make test`` (marker ``distributed``;
+alone: ``pytest -m distributed tests/test_distributed.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run_launch
 
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).parent / "distributed_worker.py"
 STRATEGIES = ["ddp", "fsdp2", "fsdp1"]
 TOL = 1e-4
-KILLED_BY_SIGNAL = "received by PID"  # torchrun's failure summary of a worker that died by a signal
+# the worker's runs per launch (each strategy launched once: a launch's start-up costs ~6 s of two cores)
+RUNS = {"single": "ppo,grpo,dpo", "ddp": "ppo,dpo", "fsdp2": "ppo,grpo,dpo", "fsdp1": "ppo"}
+TIMEOUT = 400  # seconds per launch (~20-50 s each on two busy cores): a hang fails the test, killed
 
 
 @pytest.fixture(scope="module")
 def run(tokenizer_dir, tmp_path_factory):
-    """strategy -> the worker's results.json (each strategy launched at most once per module)."""
+    """strategy -> the worker's results.json (one launch per strategy and module, its ``RUNS`` in turn)."""
     cache: dict[str, dict] = {}
 
-    def _run(strategy: str, runs: str = "ppo") -> dict:
-        if (strategy, runs) not in cache:
-            out = tmp_path_factory.mktemp(f"{strategy}_{runs}")
+    def _run(strategy: str) -> dict:
+        if strategy not in cache:
+            out = tmp_path_factory.mktemp(strategy)
             launch = [sys.executable]
             if strategy != "single":
                 launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
             cmd = [*launch, str(WORKER), "--strategy", strategy, "--tokenizer", tokenizer_dir, "--out", str(out)]
-            cmd += ["--runs", runs]
-            if strategy == "fsdp2" and runs == "ppo":
-                cmd.append("--resume")
+            cmd += ["--runs", RUNS[strategy]] + (["--resume"] if strategy == "fsdp2" else [])
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0 and KILLED_BY_SIGNAL in proc.stderr:
-                # a worker killed by a signal (seen once: SIGABRT in an FSDP1 run, not reproduced in 8
-                # runs): launched once more, and the first failure shown in the test's output
-                print(f"{strategy} {runs}: a worker was killed by a signal; launching again\n{proc.stderr[-4000:]}")
-                out = tmp_path_factory.mktemp(f"{strategy}_{runs}_again")
-                cmd[cmd.index("--out") + 1] = str(out)
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            proc = run_launch(cmd, env, TIMEOUT, f"{strategy} launch ({RUNS[strategy]})")
             # torchrun prefixes each rank's own traceback with [rankN]: show those, and the launcher's summary
             ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
             assert proc.returncode == 0, (ranks[-4000:] + "\n" + proc.stderr[-2000:])
-            cache[strategy, runs] = json.loads((out / "results.json").read_text())
-        return cache[strategy, runs]
+            cache[strategy] = json.loads((out / "results.json").read_text())
+        return cache[strategy]
 
     return _run
 
@@ -105,7 +102,7 @@ def test_fsdp2_sharded_resume_equals_uninterrupted(run):
 def test_fsdp2_grpo_equals_single_process(run):
     # K = 2 sampled responses per prompt, groups local to each rank, KL in the reward (adaptive) and in
     # the loss, per-response means: every logged mean equals the single process's.
-    expected, actual = run("single", "grpo")["grpo"]["metrics"], run("fsdp2", "grpo")["grpo"]["metrics"]
+    expected, actual = run("single")["grpo"]["metrics"], run("fsdp2")["grpo"]["metrics"]
     assert len(expected["rollout/score"]) == 3
     assert any(s > 0 for s in expected["rollout/group_score_std"]), "some group carries signal"
     for key, values in expected.items():
@@ -117,7 +114,7 @@ def test_fsdp2_grpo_equals_single_process(run):
 def test_dpo_losses_equal_single_process(run, strategy):
     # 3 optimiser steps on the same global batches of 8 pairs (4 per rank), then validation on all 24;
     # the precomputed run scores the data sets with each rank's share and all-gathers them.
-    single, dist = run("single", "dpo"), run(strategy, "dpo")
+    single, dist = run("single"), run(strategy)
     for name in ("dpo", "dpo_precomputed"):
         for key, values in single[name].items():
             assert len(values) == (1 if key == "val/loss" else 3), (name, key, values)

@@ -19,8 +19,8 @@ stops on an exception), rank 0's metrics are in a CSV file. Every launch has a t
   reads 2 (the rows of all ranks, logged once) in rollout 2 only, and both ranks end with the same
   optimiser step count and identical weights.
 
-Marked ``distributed`` (run with ``pytest -m distributed tests/test_distributed_faults.py``); about a
-minute: 7 launches of ~8 s.
+Marked ``distributed``, part of ``make test`` (alone: ``pytest -m distributed
+tests/test_distributed_faults.py``); about a minute: 7 launches of ~8 s.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def uninterrupted(tokenizer_dir, prompts, tmp_path_factory) -> dict:
     assert rc == 0, log[-4000:]
     reports = rank_reports(out, "full")
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["rollouts_done"] == 4
+    assert [r["gloo_threads_left"] for r in reports] == [0, 0], "process groups released before exit"
     return {"metrics": metrics(out, "full"), "digest": reports[0]["digest"], "global_step": reports[0]["global_step"]}
 
 

@@ -28,7 +28,7 @@ What is checked:
   MASTER_PORT; Lightning launches nothing itself under SLURM) fit PPO and GRPO with the single
   process's metrics, node 1 writing nothing.
 
-Marker ``distributed`` (``make test-all``); alone: ``pytest -m distributed tests/test_multinode.py``
+Marker ``distributed`` (part of ``make test``); alone: ``pytest -m distributed tests/test_multinode.py``
 (about 40 s on two free cores).
 """
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launching import kill_tree
 
 pytestmark = pytest.mark.distributed
 
@@ -100,7 +100,7 @@ def launch(cmds: list[list[str]], cwds: list[Path], envs: list[dict], logs: Path
 
     Once a node has failed the others get GRACE seconds (torchrun's agent would wait 300 s at its exit
     barrier for a failed peer); a launch running past TIMEOUT fails the test. Nodes still running then are
-    killed (each node's whole process group: the launcher and its workers)."""
+    killed (each node's launcher with all its descendants)."""
     procs = []
     for i, (cmd, cwd, env) in enumerate(zip(cmds, cwds, envs)):
         with open(logs / f"node{i}.log", "w") as log:
@@ -120,7 +120,7 @@ def launch(cmds: list[list[str]], cwds: list[Path], envs: list[dict], logs: Path
         time.sleep(0.2)
     for proc in procs:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # the launcher and its workers (torchrun gives each a session of its own)
             proc.wait()
     if timed_out and failed_at is None:
         pytest.fail(f"the nodes ran past {TIMEOUT} s:\n{node_logs(logs)}")
@@ -308,32 +308,44 @@ RESOLVE = """
 import json, os, sys
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
-nodes, devices = int(sys.argv[1]), int(sys.argv[2])
-for task in json.loads(sys.argv[3]):  # each task's srun variables, in turn
-    os.environ.update(task)
-    trainer = Trainer(
-        num_nodes=nodes, devices=devices, accelerator="cpu", strategy=DDPStrategy(process_group_backend="gloo"),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-    )
-    env = trainer.strategy.cluster_environment
-    print(json.dumps({
-        "environment": type(env).__name__, "global_rank": trainer.global_rank, "node_rank": trainer.node_rank,
-        "local_rank": trainer.local_rank, "world_size": trainer.world_size,
-        "creates_processes_externally": env.creates_processes_externally,
-    }))
+for nodes, devices, tasks in json.loads(sys.argv[1]):  # each job's shape and its tasks' srun variables
+    for task in tasks:  # in turn (every task sets the same variables)
+        os.environ.update(task)
+        trainer = Trainer(
+            num_nodes=nodes, devices=devices, accelerator="cpu", strategy=DDPStrategy(process_group_backend="gloo"),
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        )
+        env = trainer.strategy.cluster_environment
+        print(json.dumps({
+            "job": [nodes, devices], "environment": type(env).__name__, "global_rank": trainer.global_rank,
+            "node_rank": trainer.node_rank, "local_rank": trainer.local_rank, "world_size": trainer.world_size,
+            "creates_processes_externally": env.creates_processes_externally,
+        }))
 """
+SLURM_JOBS = [(2, 1), (2, 2)]  # (nodes, tasks per node)
 
 
-@pytest.mark.parametrize("nodes, tasks_per_node", [(2, 1), (2, 2)])
-def test_slurm_environment_resolved(nodes, tasks_per_node):
-    # A Trainer built with each task's variables (in a subprocess: the Trainer sets process-wide rank
-    # state); nothing is launched.
-    tasks = [slurm_env(procid, nodes, tasks_per_node) for procid in range(nodes * tasks_per_node)]
-    cmd = [sys.executable, "-c", RESOLVE, str(nodes), str(tasks_per_node), json.dumps(tasks)]
+@pytest.fixture(scope="module")
+def slurm_resolved() -> dict[tuple[int, int], list[dict]]:
+    """(nodes, tasks per node) -> what a Trainer built with each task's variables resolved, task by task.
+
+    One subprocess (the Trainer sets process-wide rank state) for every job of ``SLURM_JOBS``; nothing
+    is launched."""
+    jobs = [[n, t, [slurm_env(procid, n, t) for procid in range(n * t)]] for n, t in SLURM_JOBS]
+    cmd = [sys.executable, "-c", RESOLVE, json.dumps(jobs)]
     proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resolved = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert resolved == [
+    resolved: dict[tuple[int, int], list[dict]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            resolved.setdefault(tuple(row.pop("job")), []).append(row)
+    return resolved
+
+
+@pytest.mark.parametrize("nodes, tasks_per_node", SLURM_JOBS)
+def test_slurm_environment_resolved(slurm_resolved, nodes, tasks_per_node):
+    assert slurm_resolved.get((nodes, tasks_per_node)) == [
         {
             "environment": "SLURMEnvironment",
             "global_rank": procid,  # SLURM_PROCID
