@@ -12,6 +12,10 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 TEST_MARKERS ?= not slow and not vllm
+# make test runs the main suite's test files in PYTEST_WORKERS processes (pytest-xdist; a file's tests stay
+# in one process, so its module fixtures run once): the suite is mostly one-core subprocess start-ups.
+# PYTEST_WORKERS=0 runs them all in pytest's own process.
+PYTEST_WORKERS ?= 2
 VLLM_VENV ?= .venv-vllm
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_fits.py
 
@@ -34,7 +38,7 @@ lint: venv
 # run (the one line printed then says why, and the rest of the run decides the result).
 test: venv lint
 	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & env_pid=$$!; \
-	$(PY) -m pytest -m "$(TEST_MARKERS)" -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "$(TEST_MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; fi; \
 	wait $$env_pid; env_rc=$$?; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
