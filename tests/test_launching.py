@@ -27,8 +27,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a killed child not yet reaped by its (killed) parent is a zombie
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a killed child not yet reaped is a zombie: not running
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped meanwhile
+        return False
 
 
 def test_a_hung_launch_fails_naming_it_and_its_workers_are_killed(tmp_path):
