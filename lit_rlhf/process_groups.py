@@ -11,7 +11,8 @@ script, a loaded machine that leaves the thread waiting for a core), Python 3.11
 
 Lightning destroys the process group at exit only for NCCL; :func:`release_process_groups` does it for
 every backend while the interpreter is whole: it destroys the groups, then frees what still holds them
-(the reference cycles of an FSDP1 wrapper or a DDP reducer's autograd hooks; FSDP2's device meshes),
+(the reference cycles of an FSDP1 wrapper or a DDP reducer's autograd hooks; FSDP2's device meshes;
+a colocated vLLM engine's own groups, destroyed by vLLM),
 so each group's destructor joins its worker threads now (it releases the GIL while joining, so a
 thread in the middle of freeing a tensor can finish). ``lit-rlhf`` calls it after its subcommand; a
 script that runs ``Trainer.fit`` under ``torchrun`` itself should call it last.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -62,6 +64,17 @@ def _empty_device_mesh_registries() -> None:
             registry.clear()
 
 
+def _destroy_vllm_groups() -> None:
+    """A vLLM engine of this process that joined the trainer's group (one engine per rank) keeps its own
+    groups and destroys them in its shutdown at exit, which fails on groups already destroyed: let vLLM
+    destroy its groups (and the default one) first; its shutdown then finds none. Nothing without vLLM."""
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    for name in ("destroy_model_parallel", "destroy_distributed_environment"):
+        destroy = getattr(parallel_state, name, None)
+        if callable(destroy):
+            destroy()
+
+
 def release_process_groups() -> int:
     """Destroy every torch.distributed process group now and free what holds them (joining gloo's threads).
 
@@ -72,11 +85,14 @@ def release_process_groups() -> int:
 
     Returns:
         The gloo worker threads still alive afterwards (:func:`gloo_worker_threads`): 0 unless something
-        this function does not know still holds a group.
+        this function does not know still holds a group (a vLLM engine that joined the trainer's group
+        keeps one of its own until vLLM's shutdown at exit).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return gloo_worker_threads()
-    dist.destroy_process_group()
+    _destroy_vllm_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     _empty_device_mesh_registries()
     gc.collect()  # frees the modules' reference cycles that hold a group: its destructor joins its threads
     return gloo_worker_threads()

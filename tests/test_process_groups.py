@@ -4,13 +4,14 @@ A gloo worker thread that frees a finished collective's tensors after interprete
 aborts the process ("terminate called without an active exception"; see ``lit_rlhf/process_groups.py``).
 Joining the threads while the interpreter is whole rules that out; what keeps a group (and its threads)
 alive after ``destroy_process_group`` is what a fit leaves behind: a DDP or FSDP1 model in a reference
-cycle, FSDP2's device mesh in DTensor's caches. One-rank gloo groups in this process (a HashStore: no
+cycle, FSDP2's device mesh in DTensor's caches; a vLLM engine destroys its own groups. One-rank gloo groups in this process (a HashStore: no
 port), held those ways; thread counts relative to the test's start.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import pytest
@@ -84,3 +85,23 @@ def test_the_cli_releases_the_process_groups_after_its_subcommand(threads_before
     cli.main([])
     assert not dist.is_initialized()
     assert gloo_worker_threads() == threads_before
+
+
+def test_a_vllm_engine_destroys_its_own_groups_first(threads_before, monkeypatch):
+    # a colocated vLLM engine (one per rank) keeps groups of its own that its shutdown at exit destroys,
+    # failing on groups already destroyed: release lets vLLM destroy them (and the default group) first
+    import types
+
+    calls = []
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.destroy_model_parallel = lambda: calls.append("model_parallel")
+
+    def destroy_distributed_environment():  # vLLM's destroys the default group too
+        calls.append("environment")
+        dist.destroy_process_group()
+
+    state.destroy_distributed_environment = destroy_distributed_environment
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    start_group()
+    assert release_process_groups() == threads_before
+    assert calls == ["model_parallel", "environment"] and not dist.is_initialized()

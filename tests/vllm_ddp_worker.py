@@ -21,6 +21,7 @@ from distributed_worker import make_trainer, prompt_loader, read_csv  # noqa: E4
 from lit_rlhf.callbacks import HFExport  # noqa: E402
 from lit_rlhf.models import load_tokenizer  # noqa: E402
 from lit_rlhf.modules import CriticFreeModule  # noqa: E402
+from lit_rlhf.process_groups import release_process_groups  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,9 @@ def main() -> None:
     rows = [r for r in read_csv(args.out, "grpo") if "rollout/score" in r]
     if trainer.is_global_zero:
         Path(args.out, "results.json").write_text(json.dumps(rows))
+    # the groups destroyed and gloo's threads joined before the interpreter exits (see lit_rlhf.process_groups;
+    # a group vLLM's engine still holds goes with vLLM's own shutdown at exit)
+    release_process_groups()
 
 
 if __name__ == "__main__":
