@@ -4,8 +4,8 @@ A gloo worker thread that frees a finished collective's tensors after interprete
 aborts the process ("terminate called without an active exception"; see ``lit_rlhf/process_groups.py``).
 Joining the threads while the interpreter is whole rules that out; what keeps a group (and its threads)
 alive after ``destroy_process_group`` is what a fit leaves behind: a DDP or FSDP1 model in a reference
-cycle, FSDP2's device mesh in DTensor's caches; a vLLM engine destroys its own groups. One-rank gloo groups in this process (a HashStore: no
-port), held those ways; thread counts relative to the test's start.
+cycle, FSDP2's device mesh in DTensor's caches (and a vLLM engine destroys its own groups). One-rank gloo
+groups in this process (a HashStore: no port), held those ways; thread counts relative to the test's start.
 """
 
 from __future__ import annotations
