@@ -41,16 +41,15 @@ from lit_rlhf.functional.logprobs import (
     scaled_logits,
 )
 from lit_rlhf.functional.losses import (
-    DPO_LOSS_TYPES,
     aggregate_loss,
     aggregation_weight,
     clipped_value_loss,
-    dpo_loss,
     kl_penalty_policy_loss,
     pairwise_reward_loss,
     ppo_policy_loss,
     reference_kl_loss,
 )
+from lit_rlhf.functional.preference import DPO_LOSS_TYPES, dpo_loss
 from lit_rlhf.functional.registry import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,

@@ -1,5 +1,5 @@
-"""PPO policy losses (clip and KL-penalty), the reference-KL loss term, the clipped value loss, the
-pairwise reward-model loss and the offline preference losses (DPO, conservative DPO, IPO, SimPO).
+"""PPO policy losses (clip and KL-penalty), the reference-KL loss term, the clipped value loss and the
+pairwise reward-model loss (the offline preference losses are in :mod:`lit_rlhf.functional.preference`).
 
 Every loss returns ``(loss, stats)``: ``loss`` a float32 scalar, ``stats`` a dict of detached float32
 scalars keyed by metric name without prefix. The (B, T) masks are loss masks: 1 on the tokens learned
@@ -23,13 +23,11 @@ from lit_rlhf.functional.registry import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREG
 from lit_rlhf.functional.stats import masked_mean, masked_row_sum
 
 __all__ = [
-    "DPO_LOSS_TYPES",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "aggregation_weight",
     "clipped_value_loss",
-    "dpo_loss",
     "kl_penalty_policy_loss",
     "pairwise_reward_loss",
     "ppo_policy_loss",
@@ -376,132 +374,4 @@ def _ratio_stats(mask: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
         "ratio_mean": masked_mean(ratio, mask),
         # ratio > 0, so 0 off the mask never wins the max.
         "ratio_max": torch.where(mask, ratio, 0.0).amax(),
-    }
-
-
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
-
-
-def dpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None,
-    ref_rejected_logps: torch.Tensor | None,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    simpo_gamma: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Offline preference losses on sequence log-probs of (chosen, rejected) pairs.
-
-    With the log-ratio difference h = (pc - rc) - (pr - rr) and label smoothing eps:
-
-    - ``sigmoid`` (DPO, Rafailov et al. 2023, arXiv 2305.18290 eq. 7; with eps > 0 the conservative
-      DPO of Mitchell 2023, "A note on DPO with noisy preferences", which assumes labels flipped with
-      probability eps): mean(-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)).
-    - ``ipo`` (Azar et al. 2023, arXiv 2310.12036 eq. 17, beta = their tau): mean((h - 1 / (2 beta))^2),
-      a squared distance that stops pushing once h reaches 1 / (2 beta). The paper's log-likelihoods
-      are per token: pass length-averaged log-probs.
-    - ``simpo`` (Meng et al. 2024, arXiv 2405.14734 eq. 6): reference-free, on length-averaged
-      log-probs, mean(-(1 - eps) log sigmoid(beta (pc - pr) - gamma) - eps log sigmoid(-(...))) with
-      the target reward margin gamma = ``simpo_gamma``. The reference arguments must be None.
-
-    Args:
-        policy_chosen_logps: (B,) policy log-probs of the chosen responses (with grad), summed over the
-            response tokens (``sigmoid``) or averaged over them (``ipo``, ``simpo``).
-        policy_rejected_logps: (B,) the same for the rejected responses.
-        ref_chosen_logps: (B,) reference log-probs of the chosen responses, reduced like the policy's;
-            None for ``simpo``.
-        ref_rejected_logps: (B,) the same for the rejected responses; None for ``simpo``.
-        beta: > 0, the strength of the implicit KL constraint (DPO's beta, IPO's tau, SimPO's beta).
-        loss_type: "sigmoid", "ipo" or "simpo".
-        label_smoothing: eps in [0, 0.5), the assumed probability that a pair's label is flipped
-            (``sigmoid`` and ``simpo``; must be 0 for ``ipo``).
-        simpo_gamma: >= 0, SimPO's target margin gamma (``simpo`` only).
-
-    Returns:
-        (loss, stats): the float32 scalar loss, and detached float32 means over the pairs under TRL's
-        names: ``rewards/chosen`` and ``rewards/rejected`` (the implicit rewards beta * (pc - rc) and
-        beta * (pr - rr); beta * pc and beta * pr for ``simpo``), ``rewards/margins`` (chosen - rejected),
-        ``rewards/accuracies`` (share of pairs whose chosen reward is the larger), ``logps/chosen`` and
-        ``logps/rejected`` (the policy's log-probs as passed).
-    """
-    _check_dpo_args(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-        beta, loss_type, label_smoothing, simpo_gamma,
-    )  # fmt: skip
-    reference_free = loss_type == "simpo"
-    chosen = as_float(policy_chosen_logps)  # (B,)
-    rejected = as_float(policy_rejected_logps)  # (B,)
-    if not reference_free:
-        chosen = chosen - as_float(ref_chosen_logps)  # (B,) log pi/pi_ref of the chosen response
-        rejected = rejected - as_float(ref_rejected_logps)  # (B,)
-    h = chosen - rejected  # (B,)
-    losses = _preference_losses(h, beta, loss_type, label_smoothing, simpo_gamma)  # (B,)
-    return losses.mean(), _dpo_stats(beta, chosen, rejected, policy_chosen_logps, policy_rejected_logps)
-
-
-def _check_dpo_args(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None,
-    ref_rejected_logps: torch.Tensor | None,
-    beta: float,
-    loss_type: str,
-    label_smoothing: float,
-    simpo_gamma: float,
-) -> None:
-    """Raise ValueError for arguments of :func:`dpo_loss` outside its Args (same names and meanings)."""
-    fn = "dpo_loss"
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"{fn}: `loss_type` must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    check_number(fn, "beta", beta, low=0.0, low_inclusive=False)
-    check_number(fn, "label_smoothing", label_smoothing, low=0.0, low_inclusive=True, high=0.5)
-    if label_smoothing == 0.5:
-        raise ValueError(f"{fn}: `label_smoothing` must be < 0.5 (0.5 makes every pair a coin flip)")
-    if loss_type == "ipo" and label_smoothing:
-        raise ValueError(f"{fn}: `label_smoothing` is not defined for loss_type='ipo'; got {label_smoothing}")
-    check_number(fn, "simpo_gamma", simpo_gamma, low=0.0, low_inclusive=True)
-    if loss_type != "simpo" and simpo_gamma:
-        raise ValueError(f"{fn}: `simpo_gamma` applies to loss_type='simpo' only; got {simpo_gamma}")
-    reference_free = loss_type == "simpo"
-    if reference_free != (ref_chosen_logps is None) or reference_free != (ref_rejected_logps is None):
-        need = "must be None (SimPO is reference-free)" if reference_free else "are required"
-        raise ValueError(f"{fn}: `ref_chosen_logps` and `ref_rejected_logps` {need} for loss_type={loss_type!r}")
-    tensors = {"policy_chosen_logps": policy_chosen_logps, "policy_rejected_logps": policy_rejected_logps}
-    if not reference_free:
-        tensors |= {"ref_chosen_logps": ref_chosen_logps, "ref_rejected_logps": ref_rejected_logps}
-    check_same_shape(fn, **tensors)
-    if policy_chosen_logps.dim() != 1:
-        raise ValueError(f"{fn}: log-probs must be 1-D (B,), got shape {tuple(policy_chosen_logps.shape)}")
-
-
-def _preference_losses(
-    h: torch.Tensor, beta: float, loss_type: str, label_smoothing: float, simpo_gamma: float
-) -> torch.Tensor:
-    """(B,) log-ratio differences h (SimPO: pc - pr) -> (B,) per-pair losses of :func:`dpo_loss`."""
-    if loss_type == "ipo":
-        return (h - 1.0 / (2.0 * beta)).square()  # (B,)
-    logits = beta * h - simpo_gamma  # (B,)
-    return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)  # (B,)
-
-
-def _dpo_stats(
-    beta: float,
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """:func:`dpo_loss`'s stats from the (B,) float log-ratios of the chosen and of the rejected responses
-    (SimPO: the policy's log-probs) and the (B,) policy log-probs as passed."""
-    chosen_rewards = beta * chosen.detach()  # (B,)
-    rejected_rewards = beta * rejected.detach()  # (B,)
-    return {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "logps/chosen": as_float(policy_chosen_logps).detach().mean(),
-        "logps/rejected": as_float(policy_rejected_logps).detach().mean(),
     }
