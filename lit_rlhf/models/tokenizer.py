@@ -62,12 +62,14 @@ def train_bpe_tokenizer(
     *,
     chat_template: str | None = None,
     extra_special_tokens: tuple[str, ...] = (),
+    split_digits: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (GPT-2 style) on ``texts`` with the ``tokenizers`` library.
 
     The result has ``<|endoftext|>`` as EOS/BOS and a dedicated ``<|pad|>``; it round-trips through
     ``save_pretrained`` / ``AutoTokenizer.from_pretrained``. Used by tests and the offline demo, where
-    nothing can be downloaded.
+    nothing can be downloaded. ``split_digits`` makes every digit a token of its own (no merge spans two
+    digits, as in LLaMA's tokenizer), so a number of n digits is n tokens.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -76,6 +78,10 @@ def train_bpe_tokenizer(
         specials += ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
