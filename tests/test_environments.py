@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import gpt2_config
-from ppo_helpers import prompt_loader, tiny_critic_free, trainer
+from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
 from test_online_contract import read_metrics
 
 from lit_rlhf import functional as F
@@ -392,3 +392,59 @@ def test_an_environment_alone_scores_the_episodes(tokenizer_dir, tmp_path):
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
     (row,) = read_metrics(tmp_path)
     assert row["rollout/score"] == 0.5 and row["rollout/group_all_equal_frac"] == 1.0
+
+
+def test_ppo_on_multi_turn_episodes_resumes_exactly(tokenizer_dir, tmp_path, prompt_file):
+    # GAE over the model's tokens (the observation is a hole) and the environment's reward in the score;
+    # 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics
+    from test_critic_free import StopAfter
+
+    from lit_rlhf.data import PromptDataModule
+
+    def run(root, callbacks=(), ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=4, environment={"env": "test_environments:Followup"},
+                          generation=GenerationSettings(max_new_tokens=4))  # fmt: skip
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(module, data, ckpt_path=ckpt_path)
+        return read_metrics(root)
+
+    full = run(tmp_path / "full")
+    assert all(r["rollout/turns"] == 2 and r["rollout/env_reward"] == 0.5 for r in full)
+    run(tmp_path / "part", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    assert len(full) == 4 and len(resumed) == 2
+    for a, b in zip(full[2:], resumed):
+        assert set(a) == set(b)
+        for key in a:
+            if key not in ("epoch", "step"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_the_readme_example_environment_drives_a_fit(tokenizer_dir, tmp_path, monkeypatch):
+    import json
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    from lit_rlhf.data import PromptDataModule
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Tools and environments") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("my_envs")
+    exec(compile(code, "README.md", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "my_envs", module)
+    config = re.search(r"environment: (\{.*?\})\n", section).group(1)
+    assert config.startswith("{env: my_envs:Guess")
+    rows = [{"prompt": p, "secret": str(i % 3)} for i, p in enumerate(["the movie", "the food was", "a room"] * 2)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = PromptDataModule(tokenizer_dir, str(path), max_prompt_length=16, batch_size=3, seed=0, val_fraction=0.0)
+    gen = {"max_new_tokens": 4, "num_samples": 2, "stop_strings": []}
+    model = tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=None, max_rollouts=2, generation=gen,
+                             environment={"env": "my_envs:Guess", "max_turns": 3, "max_total_tokens": 24})  # fmt: skip
+    trainer(tmp_path).fit(model, data)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(r["rollout/turns"] > 1 and r["rollout/env_reward"] < 0 for r in rows)
