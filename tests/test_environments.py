@@ -448,3 +448,19 @@ def test_the_readme_example_environment_drives_a_fit(tokenizer_dir, tmp_path, mo
     trainer(tmp_path).fit(model, data)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r["rollout/turns"] > 1 and r["rollout/env_reward"] < 0 for r in rows)
+
+
+def test_the_tools_are_shown_to_the_model_through_the_chat_template(chat_tokenizer_dir):
+    tok = load_tokenizer(chat_tokenizer_dir)
+    tok.chat_template = (
+        "{% for t in tools %}[{{ t.function.name }}({{ t.function.parameters.properties | list | join(',') }})]"
+        "{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+
+    class Asking(Calculator):
+        def reset(self, row):
+            return [{"role": "user", "content": " the food"}]
+
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [tok.eos_token_id])
+    _, prompts, mask = episodes(tok, Asking, engine, ["x"])
+    assert tok.decode(prompts[0][mask[0].bool()]) == "[multiply(a,b)][divide(a,b)] the food"
