@@ -108,7 +108,7 @@ def plot_frontier(points: Sequence[dict], policies: dict[str, Sequence[tuple[flo
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ax.plot([math.sqrt(p["kl"]) for p in points], [p["gold_mean"] for p in points], "k--o", ms=3,
-            label="best-of-n of SFT by the proxy RM (n = 1..%d)" % points[-1]["n"])  # fmt: skip
+            label=f"best-of-n of SFT by the proxy RM (n = 1..{points[-1]['n']})")  # fmt: skip
     for name, xy in policies.items():
         ax.plot([math.sqrt(max(k, 0.0)) for k, _ in xy], [g for _, g in xy], "o", ms=6, label=name)
     ax.set_xlabel("sqrt(KL to the SFT policy), sqrt(nats)")
