@@ -464,3 +464,24 @@ def test_the_tools_are_shown_to_the_model_through_the_chat_template(chat_tokeniz
     engine = ScriptedEngine(tok, lambda call, row, ctx: [tok.eos_token_id])
     _, prompts, mask = episodes(tok, Asking, engine, ["x"])
     assert tok.decode(prompts[0][mask[0].bool()]) == "[multiply(a,b)][divide(a,b)] the food"
+
+
+def test_a_failing_construction_or_reset_is_named(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [tok.eos_token_id])
+
+    class NeedsArgs(Environment):
+        def __init__(self, size):
+            self.size = size
+
+        def reset(self, row):
+            raise KeyError("answer")
+
+        def step(self, response):
+            return StepResult(None, done=True)
+
+    with pytest.raises(RuntimeError, match=r"construction with kwargs \{\} of episode 0 raised TypeError"):
+        episodes(tok, NeedsArgs, engine, ["the movie"])
+    settings = EnvironmentSettings(env="x:y", kwargs={"size": 3})
+    with pytest.raises(RuntimeError, match="reset of episode 0 raised KeyError: 'answer'"):
+        episodes(tok, NeedsArgs, engine, ["the movie"], settings)

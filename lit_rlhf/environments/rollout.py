@@ -94,8 +94,14 @@ def open_episodes(
     name = f"environment {env_cls.__module__}.{env_cls.__qualname__}"
     envs, prompt_ids = [], []
     for i, row in enumerate(rows):
-        env = env_cls(**settings.kwargs)
-        opened = check_reset(env.reset(dict(row)), f"{name} (episode {i})")
+        what = f"construction with kwargs {settings.kwargs}"
+        try:
+            env = env_cls(**settings.kwargs)
+            what = "reset"
+            opened = env.reset(dict(row))
+        except Exception as err:
+            raise RuntimeError(f"{name}: {what} of episode {i} raised {type(err).__name__}: {err}") from err
+        opened = check_reset(opened, f"{name} (episode {i})")
         envs.append(env)
         if opened is None:
             prompt_ids.append(prompts[i][prompt_mask[i].bool()].tolist())
