@@ -42,16 +42,17 @@ FORMS = (
 )
 
 
-def import_reward_fn(path: str, argument: str = "reward_fn") -> RewardFn:
-    """Import ``package.module:function``; errors name ``argument``, the module and what went wrong.
+def import_object(path: str, argument: str, kind: str = "function") -> Any:
+    """Import ``package.module:<kind>``; errors name ``argument``, the module and what went wrong.
 
     Args:
-        path: ``package.module:function`` (the module is imported, so its top-level code runs).
+        path: ``package.module:name`` (the module is imported, so its top-level code runs).
         argument: the config argument that gave ``path`` (e.g. ``"monitor_reward_fn"``), for messages.
+        kind: what the name is, in messages (``function``, ``Class``).
     """
     module_name, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{argument} must look like 'package.module:function', got {path!r}")
+        raise ValueError(f"{argument} must look like 'package.module:{kind}', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -62,9 +63,16 @@ def import_reward_fn(path: str, argument: str = "reward_fn") -> RewardFn:
         raise ValueError(
             f"{argument} {path!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
         ) from err
-    fn = getattr(module, attr, None)
-    if fn is None:
+    obj = getattr(module, attr, None)
+    if obj is None:
         raise ValueError(f"{argument} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    return obj
+
+
+def import_reward_fn(path: str, argument: str = "reward_fn") -> RewardFn:
+    """Import ``package.module:function`` (:func:`import_object`); errors name ``argument``, the module and
+    what went wrong."""
+    fn = import_object(path, argument)
     if not callable(fn):
         raise ValueError(f"{argument} {path!r} is not callable (a {type(fn).__name__})")
     return fn

@@ -117,7 +117,7 @@ class RewardSource(torch.nn.Module):
         self.tokenizer = tokenizer
         self.fn, self.terms = None, []
         model_name = getattr(reward_model, "name_or_path", None) or "(from config)"
-        self.description = f"reward_model {model_name}"
+        self.description = f"reward_model {model_name}" if reward_model is not None else "the environment's rewards"
         if isinstance(reward_fn, str):
             self.fn = import_reward_fn(reward_fn, argument)
             self.description = f"{argument} {reward_fn}"
@@ -175,6 +175,8 @@ class RewardSource(torch.nn.Module):
         ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed). ``columns``: the prompt
         rows' other columns for the functions, each a list of B values (a prompt's K rows repeated).
         """
+        if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
+            return torch.zeros(input_ids.shape[0], device=input_ids.device), {}
         if self.fn is None and not self.terms:
             return self.model_scores(input_ids, attention_mask, response_length, chunk_size), {}
         n, device = input_ids.shape[0], input_ids.device

@@ -41,7 +41,7 @@ def small_run(tmp_path_factory) -> tuple[Path, dict, dict]:
 def test_small_pipeline_writes_the_report(small_run):
     out, summary, again = small_run
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
-                 "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png"):  # fmt: skip
+                 "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
@@ -62,6 +62,15 @@ def test_small_pipeline_writes_the_report(small_run):
     for name in ("ppo", "ppo_copy", "grpo", "dpo"):
         assert f"| {name} | 0,1 |" in report_md, name
     assert "2 training seeds per algorithm" in report_md
+    # the best-of-n frontier of the SFT policy: n = 1, 2, 4, 8 at the analytic KL, gold never below n = 1's
+    points = summary["best_of_n_frontier"]
+    assert [p["n"] for p in points] == [1, 2, 4, 8]
+    assert [p["kl"] for p in points] == pytest.approx([math.log(n) - (n - 1) / n for n in (1, 2, 4, 8)])
+    assert all(math.isfinite(p["gold_mean"]) for p in points)
+    for entry in summary["algorithms"].values():
+        for seed in entry["seeds"]:
+            d = seed["frontier_distance"]
+            assert d is None or math.isfinite(d)
 
 
 def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):

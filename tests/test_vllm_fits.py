@@ -178,3 +178,16 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tokenizer_dir, tmp_path, pr
     for a, b in zip(full[2:], resumed):
         for key in set(a) - {"epoch", "step", *TIMINGS}:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_multi_turn_episodes_with_the_vllm_engine_stay_on_policy(tokenizer_dir, tmp_path):
+    # the environment's observation is appended as tokens after each vLLM turn; the next turn is generated
+    # by vLLM from those token ids, and the trainer scores the same ids: the log-probs agree on the model's
+    # tokens (the observation is a hole in the loss mask)
+    torch.manual_seed(0)
+    module = tiny_critic_free(tokenizer_dir, vllm_llama(322), engine=ENGINE, reward_fn=REWARD, max_rollouts=3,
+                              environment={"env": "test_environments:Followup"})  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=12, batch_size=4))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 3 and all(r["rollout/turns"] == 2 and r["rollout/observation_tokens"] > 0 for r in rows)
+    assert_on_policy(rows)

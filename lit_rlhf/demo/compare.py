@@ -16,10 +16,12 @@ import statistics
 from pathlib import Path
 
 from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, lift, target_point
+from lit_rlhf.demo.frontier import distance_to_frontier
 
 METRICS = (
     "gold_mean", "gold_lift_sft_std", "kl_ref", "grammatical_rate",
     "time_to_target_s", "steps_to_target", "train_s", "wall_s", "peak_rss_mb", "train_peak_rss_growth_mb",
+    "frontier_distance",
 )  # fmt: skip
 MIN_GRAMMATICAL_RATE = 0.95  # the demo's target also keeps >= 95% of the reviews grammatical
 
@@ -36,10 +38,12 @@ def read_memory(path: str | Path) -> float | None:
 
 
 def seed_figures(
-    run: str, seed: int, summary: dict, sft: dict, points: list[dict], record, train_memory_mb: float | None = None
-) -> dict:
-    """The figures of one run: final evaluation ``summary`` against the SFT one, its curve, stage record and
-    training peak-memory growth (``train_memory_mb``)."""
+    run: str, seed: int, summary: dict, sft: dict, points: list[dict], record, train_memory_mb: float | None = None,
+    frontier_points: list[dict] | None = None,
+) -> dict:  # fmt: skip
+    """The figures of one run: final evaluation ``summary`` against the SFT one, its curve, stage record,
+    training peak-memory growth (``train_memory_mb``) and its gold minus the best-of-n frontier's at its KL
+    (``frontier_points``, :mod:`lit_rlhf.demo.frontier`; None without them or beyond the frontier's KL)."""
     gold_lift = (summary["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None
     target = target_point(points)
     figures = {
@@ -55,6 +59,9 @@ def seed_figures(
         "wall_s": record.wall_s,
         "peak_rss_mb": record.peak_rss_mb,
         "train_peak_rss_growth_mb": train_memory_mb,
+        "frontier_distance": None
+        if frontier_points is None
+        else distance_to_frontier(frontier_points, summary["kl_ref"], summary["gold_mean"]),
         "reused": record.reused,
         "curve_prompts": points[0]["n_prompts"],
     }
@@ -110,6 +117,7 @@ def table_md(algorithms: dict[str, dict]) -> list[str]:
         ("train s", "train_s", ".0f"),
         ("wall s", "wall_s", ".0f"), ("peak RSS MB", "peak_rss_mb", ".0f"),
         ("training peak RSS growth MB", "train_peak_rss_growth_mb", ".0f"),
+        ("gold - best-of-n at its KL", "frontier_distance", "+.2f"),
     )  # fmt: skip
     lines = ["| algorithm | seeds | " + " | ".join(c[0] for c in columns) + " | seeds on target |"]
     lines.append("|---|---|" + "---|" * len(columns) + "---|")

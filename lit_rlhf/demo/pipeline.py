@@ -12,7 +12,8 @@
    memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its gold reward on
    held-out prompts during the fit; then the weak reward model and the over-optimisation PPO run;
 3. evaluates the SFT policy and every trained policy on the held-out evaluation prompts and the reward
-   models on the held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`);
+   models on the held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`), and the
+   best-of-n frontier of the SFT policy under the proxy reward model (:mod:`lit_rlhf.demo.frontier`);
 4. writes ``OUT/report.md``, ``OUT/report.json``, ``OUT/samples.md`` and PNG plots
    (:mod:`lit_rlhf.demo.report`, :mod:`lit_rlhf.demo.compare`); TensorBoard logs stay in ``OUT/tb``.
 
@@ -40,13 +41,16 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.callbacks import check_output_folder  # noqa: E402
-from lit_rlhf.demo import assets, evaluate, report  # noqa: E402
+from lit_rlhf.demo import assets, evaluate, frontier, report  # noqa: E402
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
 from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
 
 # Asset sizes of the full demo (see assets.build_assets); --small uses assets.SMALL.
 FULL_ASSETS = dict(n_sft=80_000, n_prompts=16_384, n_pref_prompts=4_000, completions_per_prompt=4, n_eval_prompts=1_024)
 CURVE_PROMPTS = 256  # held-out prompts per gold-curve point (the first ones of prompts_eval.jsonl)
+# the best-of-n frontier: FRONTIER_N samples of the SFT policy on each of the first FRONTIER_PROMPTS
+# evaluation prompts (--small: SMALL_FRONTIER of each)
+FRONTIER_PROMPTS, FRONTIER_N, SMALL_FRONTIER = 64, 64, (8, 8)
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,8 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         results[key] = {"summary": evaluate.summarize(rows), "rows": rows}
     for name in [n for n in ("rm", "rm_weak") if n in runner.records]:
         results[name] = evaluate.evaluate_reward_model(out / name, out / "assets" / "prefs_val.jsonl")
+    n_prompts, n = SMALL_FRONTIER if small else (FRONTIER_PROMPTS, FRONTIER_N)
+    results["frontier"] = frontier.sample_frontier(out / "sft", out / "rm", prompts[:n_prompts], generation, n)
     return results
 
 

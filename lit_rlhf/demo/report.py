@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lit_rlhf.demo import compare
+from lit_rlhf.demo import compare, frontier
 from lit_rlhf.demo.curves import KL_BUDGET
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
 
@@ -180,6 +180,13 @@ def write_report(
     algorithms, gold_curves = _algorithm_figures(out, results, algorithm_runs, sft)
     plots["algorithms_gold"] = out / "algorithms_gold.png"
     compare.plot_gold_curves(gold_curves, plots["algorithms_gold"])
+    if "frontier" in results:  # every algorithm's seeds (and the over-optimised policy) against best-of-n
+        policies = {name: [(s["kl_ref"], s["gold_mean"]) for s in entry["seeds"]] for name, entry in algorithms.items()}
+        if "ppo_overoptimize" in results:
+            over = results["ppo_overoptimize"]["summary"]
+            policies["ppo_overoptimize (weak RM)"] = [(over["kl_ref"], over["gold_mean"])]
+        plots["frontier"] = out / "gold_vs_kl_frontier.png"
+        frontier.plot_frontier(results["frontier"], policies, plots["frontier"])
     wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
     summary: dict[str, Any] = {
         "rm_val_accuracy": results["rm"]["gold_accuracy"],
@@ -187,6 +194,7 @@ def write_report(
         "rm_val_pairs": results["rm"]["n_gold_ordered_pairs"],
         **{f"sft_{k}": v for k, v in sft.items()},
         "kl_budget": KL_BUDGET,
+        "best_of_n_frontier": results.get("frontier"),
         "algorithms": algorithms,
         "n_seeds": len(next(iter(algorithm_runs.values()))),
         "max_response_tokens": manifest["max_response_tokens"],
@@ -242,7 +250,8 @@ def _algorithm_figures(out: Path, results: dict, algorithm_runs: dict[str, list]
             seed = record.config["seed_everything"]
             memory = compare.read_memory(out / "memory" / f"{record.run}.json")
             summary = results[record.run]["summary"]
-            seeds.append(compare.seed_figures(record.run, seed, summary, sft, points, record, memory))
+            frontier_points = results.get("frontier")
+            seeds.append(compare.seed_figures(record.run, seed, summary, sft, points, record, memory, frontier_points))
             gold_curves.setdefault(name, []).append(points)
         algorithms[name] = compare.aggregate(seeds)
     return algorithms, gold_curves

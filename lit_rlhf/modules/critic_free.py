@@ -101,7 +101,7 @@ class CriticFreeModule(OnlineRLModule):
         #    the engine/trainer correction weights, whose weights need them now).
         on_policy = self.on_policy_update and self.correction_mode(sample.responses) is None
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, policy=not on_policy)
-        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
+        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores)
         # 3. Advantages of the chosen estimator, per token.
         advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, mask, keep)
         rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, advantages, scores)
@@ -170,7 +170,7 @@ class CriticFreeModule(OnlineRLModule):
         old_logprobs = part.old_logprobs
         if self.update_record is not None:  # the one on-policy step: its policy is the rollout policy
             old_logprobs = self.update_record.put(part.rows, logprobs, entropy)
-        aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.generation.max_new_tokens)
+        aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.max_response_length)
         pg_loss, stats = F.ppo_policy_loss(
             logprobs, old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
             importance_sampling_level=update.importance_sampling_level, weights=part.is_weights,

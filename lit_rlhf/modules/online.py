@@ -29,6 +29,7 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.engines import ENGINE_STATS, RolloutEngine, build_engine, engine_hparams
+from lit_rlhf.environments import EPISODE_METRICS, EnvironmentSettings, import_environment
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
     ModelSpec,
@@ -64,7 +65,7 @@ ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
     "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
     *(f"engine_{name}" for name in ENGINE_STATS),
-    *F.IS_CORRECTION_STATS,
+    *F.IS_CORRECTION_STATS, *EPISODE_METRICS,
 )  # fmt: skip
 # set while load_from_checkpoint constructs a module: flat hyper-parameters of old checkpoints are mapped
 _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint", default=False)
@@ -93,7 +94,8 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         reference: the reference policy of the KL; None = the initial actor (a frozen copy, or for a LoRA
             actor the actor with its adapters disabled: no second copy).
-        reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn.
+        reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn
+            (with an ``environment`` both may be None: its rewards are the score).
         reward_fn: ``package.module:function`` scoring the responses (this project's ``fn(prompts, responses,
             **columns)`` or TRL's ``fn(completions, **kwargs)``, see ``lit_rlhf.reward_fns``), or a list of
             ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``; a plain ``module:function`` has
@@ -113,6 +115,10 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         samples: the sample tables (``SampleSettings``: every, rows).
         evaluation: the evaluation rollouts of ``validate``/``test`` (``EvaluationSettings``: generation
             overrides, greedy).
+        environment: multi-turn episodes instead of one response per row (``EnvironmentSettings``: the
+            ``package.module:Class`` of a ``lit_rlhf.environments.Environment``, its kwargs, ``max_turns``,
+            ``max_total_tokens``, ``stop_strings``; a plain ``module:Class`` string is its ``env``). The score
+            is the sum of the episode's step rewards plus the reward source's score of the transcript.
         max_rollouts: stop fitting after this many rollouts (None = the trainer's limits decide).
         rng_seed: seed of the model initialisations, the minibatch shuffling and the evaluation sampling
             (named apart from the DataModule's ``seed``); None follows ``seed_everything`` (the value used is
@@ -126,6 +132,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
     settings_groups: ClassVar[dict[str, type[Settings]]] = {
         "generation": GenerationSettings, "update": UpdateSettings, "kl": KLSettings,
         "scoring": ScoringSettings, "samples": SampleSettings, "evaluation": EvaluationSettings,
+        "environment": EnvironmentSettings,
     }  # fmt: skip
     packed_forwards: ClassVar[bool] = True
     # models sharded by ``configure_model`` (dotted attribute paths; missing or None ones are skipped)
@@ -146,6 +153,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         scoring: ScoringSettings | dict | None = None,
         samples: SampleSettings | dict | None = None,
         evaluation: EvaluationSettings | dict | None = None,
+        environment: EnvironmentSettings | dict | str | None = None,
         max_rollouts: int | None = None,
         rng_seed: int | None = None,
         **groups: Any,
@@ -153,7 +161,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         super().__init__()
         self.automatic_optimization = False
         groups = dict(generation=generation, update=update, kl=kl, scoring=scoring, samples=samples,
-                      evaluation=evaluation, **groups)  # fmt: skip
+                      evaluation=evaluation, environment=environment, **groups)  # fmt: skip
         engine = self.configure_settings(groups, engine, reward_model, reward_fn, max_rollouts)
         self.engine = build_engine(engine, f"{type(self).__name__}: engine")
         self._engine_model: torch.nn.Module | None = None
@@ -193,6 +201,8 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
             setattr(self, key, coerce_group(cls, groups.get(key), f"{name}: {key}"))
         self.check_loss_contract()
         self.eval_generation = self.evaluation.resolve(self.generation)
+        env = self.environment
+        self.env_cls = import_environment(env.env, f"{name}: environment.env") if env.enabled else None
         self.shared_prefix = self.resolve_shared_prefix(self.scoring.shared_prefix)
         return engine
 
@@ -236,10 +246,11 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         if unknown:
             hints = [moved_hint(key, type(self)) or f"{key}: no such argument" for key in unknown]
             raise TypeError(f"{name}: unexpected argument(s) {unknown}: " + "; ".join(hints))
-        if (reward_model is None) == (reward_fn is None):
+        with_env = EnvironmentSettings.coerce(groups.get("environment"), f"{name}: environment").enabled
+        if reward_model is not None and reward_fn is not None or (reward_model is None and reward_fn is None and not with_env):
             raise ValueError(
                 f"{name}: give exactly one of reward_model (a ModelSpec) or reward_fn ('module:function' or "
-                "a list of {fn, weight})"
+                "a list of {fn, weight}), or an environment whose rewards score the episodes"
             )
         if max_rollouts is not None and max_rollouts < 1:
             raise ValueError(f"{name}: max_rollouts must be >= 1 or None, got {max_rollouts}")

@@ -55,6 +55,8 @@ class OnlineBookkeeping(LightningModule):
         if responses.logprobs is not None:
             stats.update(F.behavior_mismatch_stats(old_logprobs, responses.logprobs, responses.log_kept_mass, mask))
         stats.update({f"engine_{name}": value for name, value in self.engine.stats().items()})
+        if sample.episodes is not None:  # turns, tool calls and errors, observation tokens, how episodes ended
+            stats.update(sample.episodes.metrics())
         self.rollout_metrics.update(stats)
 
     def build_rollout(self, sample: Any, old_logprobs, ref_logprobs, advantages, scores, **fields: Any) -> Rollout:

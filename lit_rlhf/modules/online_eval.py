@@ -132,21 +132,19 @@ class OnlineEvaluation(LightningModule):
     def evaluation_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int) -> None:
         """One evaluation rollout on a batch of held-out prompts; logs ``{stage}/<metric>`` split means."""
         settings, greedy = self.eval_generation, self.evaluation.greedy
-        # 1. Check and left-pad the prompts; K = the evaluation's num_samples copies of each.
-        prompts, prompt_mask = self.expand_prompts(batch, settings.num_samples)
-        # 2. Generate on a forked, seeded RNG (sampled, or greedy with evaluation.greedy).
+        # 1. Generate on a forked, seeded RNG (sampled, or greedy with evaluation.greedy), K = the
+        #    evaluation's num_samples responses (or episodes, with an environment) per prompt.
         with self.evaluation_rng(batch_idx, dataloader_idx):
-            out = self.generate(prompts, prompt_mask, settings, greedy)
-        responses, response_mask, truncated = out.ids, out.mask, out.truncated
-        loss_mask = response_mask if out.loss_mask is None else out.loss_mask & response_mask  # the policy's tokens
-        input_ids = torch.cat([prompts, responses], dim=1)
-        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-        T = responses.shape[1]
+            sample = self.rollout_sample(batch, settings, greedy)
+        prompts, input_ids, attention_mask, columns = sample.prompts, sample.input_ids, sample.attention_mask, sample.columns
+        responses, response_mask, truncated = sample.responses.ids, sample.responses.mask, sample.responses.truncated
+        loss_mask, T = sample.loss_mask, responses.shape[1]  # the policy's tokens
         batches = self.micro_batches(attention_mask, T)
-        # 3. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
+        # 2. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
         #    are left out of the means), the monitor on the side, and the KL to the reference.
-        columns = self.expand_columns(batch, settings.num_samples)
         raw, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
+        if sample.env_scores is not None:
+            raw = raw + sample.env_scores  # (B,)
         where = f"{stage} after rollout {self.rollouts_done}"
         keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where)  # (B,)
         scores = self.adjust_scores(raw, truncated)  # (B,)
@@ -159,6 +157,8 @@ class OnlineEvaluation(LightningModule):
             "eos_rate": 1.0 - truncated.float().mean(),
             "entropy": F.masked_mean(entropy, loss_mask),
         }
+        if sample.episodes is not None:
+            metrics.update(sample.episodes.metrics())
         sizes = {"score": int(keep.sum())}
         for name, values in terms.items():  # a reward_fn list: each function's raw score
             finite = torch.isfinite(values)  # (B,)
@@ -170,7 +170,7 @@ class OnlineEvaluation(LightningModule):
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)
             metrics["monitor_score"] = kept_mean(monitor, monitor_keep)
             sizes["monitor_score"] = int(monitor_keep.sum())
-        # 4. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
+        # 3. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.
         for name, value in metrics.items():
             self.log(
                 f"{stage}/{name}", value.float(), prog_bar=name in ("score", "kl_ref"),

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.engines import Responses, RolloutEngine, check_responses
+from lit_rlhf.environments import Episodes, open_episodes, run_episodes
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import generation_context
 from lit_rlhf.rollout import GenerationSettings
@@ -30,11 +31,18 @@ class Sample(NamedTuple):
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor  # (B, T) bool, the tokens learned from
     columns: dict[str, list] | None = None
+    episodes: Episodes | None = None  # a multi-turn rollout's episodes (``environment``), else None
+
+    @property
+    def env_scores(self) -> torch.Tensor | None:
+        """(B,) the environment's episode rewards (None: no environment)."""
+        return None if self.episodes is None else self.episodes.rewards
 
 
 @internal_base
 class OnlineGeneration(LightningModule):
-    """Mixin of OnlineRLModule (it relies on the base's ``engine``, ``generation``, ``actor``, ``tokenizer``)."""
+    """Mixin of OnlineRLModule (it relies on the base's ``engine``, ``generation``, ``environment``, ``env_cls``, ``actor``,
+    ``tokenizer``)."""
 
     @property
     def num_samples(self) -> int:
@@ -98,10 +106,48 @@ class OnlineGeneration(LightningModule):
     def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
         """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
         joined to their prompts as the (B, P+T) rows the trainer scores, with the batch's ``columns``."""
-        prompts, prompt_mask = self.expand_prompts(batch)
-        responses = self.generate(prompts, prompt_mask)
+        return self.rollout_sample(batch, self.generation)
+
+    def rollout_sample(
+        self, batch: dict[str, torch.Tensor], settings: GenerationSettings, greedy: bool = False
+    ) -> Sample:
+        """The ``Sample`` of ``batch`` under ``settings`` (K = its ``num_samples``): one engine response per
+        row, or with an ``environment`` one multi-turn episode per row (``lit_rlhf.environments``: turns
+        generated batched across episodes, observations appended as tokens, the loss mask on the model's
+        tokens only)."""
+        prompts, prompt_mask = self.expand_prompts(batch, settings.num_samples)
+        columns = self.expand_columns(batch, settings.num_samples)
+        episodes = None
+        if self.environment.enabled:
+            rows = self.episode_rows(prompts, prompt_mask, columns)
+            envs, prompts, prompt_mask = open_episodes(
+                self.env_cls, self.environment, rows, self.tokenizer, prompts, prompt_mask, settings.num_samples
+            )
+            episodes = run_episodes(
+                self.generate, self.tokenizer, envs, prompts, prompt_mask, settings, self.environment, greedy
+            )
+            responses = episodes.responses
+        else:
+            responses = self.generate(prompts, prompt_mask, settings, greedy)
         input_ids = torch.cat([prompts, responses.ids], dim=1)
         attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
         loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
-        columns = self.expand_columns(batch)
-        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, columns)
+        return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, columns, episodes)
+
+    def episode_rows(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, columns: dict[str, list] | None) -> list[dict]:
+        """Per rollout row, what its environment's ``reset`` gets: the row's columns and ``prompt`` (its text)."""
+        texts = self.tokenizer.batch_decode(
+            [p[m.bool()] for p, m in zip(prompts, prompt_mask)], skip_special_tokens=True
+        )
+        return [
+            {**{name: values[i] for name, values in (columns or {}).items()}, "prompt": text}
+            for i, text in enumerate(texts)
+        ]
+
+    @property
+    def max_response_length(self) -> int:
+        """The longest response a rollout can hold: ``generation.max_new_tokens``, or an episode's token
+        budget with an ``environment`` (the constant of ``seq_mean_token_sum_norm``)."""
+        if self.environment.enabled:
+            return self.environment.token_budget(self.generation.max_new_tokens)
+        return self.generation.max_new_tokens

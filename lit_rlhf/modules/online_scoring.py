@@ -151,8 +151,12 @@ class RolloutScoring(LightningModule):
         T: int,
         truncated: torch.Tensor,
         columns: dict[str, list] | None = None,
+        env_scores: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,) adjusted sequence scores of the rollout and the (B,) bool mask of the rows to learn from.
+
+        ``env_scores``: (B,) the environment's episode rewards (``Sample.env_scores``), added to the reward
+        source's scores (which are 0 when the module has only an environment).
 
         ``columns``: the prompt rows' other columns for the reward functions, one value per rollout row
         (``Sample.columns``). A ``reward_fn`` list's raw score of each function is logged as
@@ -171,6 +175,8 @@ class RolloutScoring(LightningModule):
         batches = self.micro_batches(attention_mask, T)
         # (B,) scores, and each function's (B,) raw scores for a reward_fn list
         scores, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)
+        if env_scores is not None:
+            scores = scores + env_scores  # (B,)
         self.log_reward_terms(terms)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)

@@ -103,7 +103,7 @@ class PPOModule(OnlineRLModule):
         ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: old/ref log-probs, old values, sequence scores.
         old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(ids, attention, T)
-        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
+        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores)
         # 3. KL-shaped per-token rewards (InstructGPT, arXiv:2203.02155 eq. 2), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(scores, old_logprobs, ref_logprobs, mask, self.kl_ctl.value, self.kl.estimator)
         if advantage.whiten_rewards:
@@ -167,7 +167,7 @@ class PPOModule(OnlineRLModule):
         )  # fmt: skip
         if self.critic is not None:
             values = critic_values(self.critic, part.input_ids, part.attention_mask, T)
-        aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.generation.max_new_tokens)
+        aggregation = dict(loss_aggregation=update.loss_aggregation, max_response_length=self.max_response_length)
         if update.policy_loss == "clip":
             pg_loss, pg_stats = F.ppo_policy_loss(
                 logprobs, part.old_logprobs, part.advantages, mask, update.clip_coef, update.clip_coef_high,
