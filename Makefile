@@ -1,5 +1,7 @@
 # The two set-up commands of the README:
-#   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/)
+#   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/),
+#                 then the tool world: SFT -> GRPO with and without a calculator (report in runs/demo/tool/;
+#                 TOOL_SEEDS=3 runs the 3-seed comparison of the README)
 #   make test   - ruff + the default test suite with the multi-process tests (not the slow end-to-end fits),
 #                 then the vLLM engine's tests against the real vLLM in .venv-vllm (built beside the main
 #                 suite, in the background: vLLM pins an older transformers than the main environment's)
@@ -12,6 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 TEST_MARKERS ?= not slow and not vllm
+TOOL_SEEDS ?= 1
 # make test runs the main suite's test files in PYTEST_WORKERS processes (pytest-xdist; a file's tests stay
 # in one process, so its module fixtures run once): the suite is mostly one-core subprocess start-ups.
 # PYTEST_WORKERS=0 runs them all in pytest's own process.
@@ -64,6 +67,7 @@ test-all: venv lint
 
 demo: venv
 	$(PY) -m lit_rlhf.demo.pipeline --out runs/demo
+	$(PY) -m lit_rlhf.demo.tool_pipeline --out runs/demo/tool --seeds $(TOOL_SEEDS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log runs .pytest_cache .ruff_cache

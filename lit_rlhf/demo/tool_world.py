@@ -41,7 +41,7 @@ from lit_rlhf.models.tokenizer import EOS_TOKEN
 
 NAMES = ("tom", "ann", "bob", "eve", "sam", "kim", "joe", "amy", "max", "zoe")
 ITEMS = ("apples", "pens", "cards", "coins", "books", "eggs", "shells", "stamps", "nuts", "cups")
-BOXES = ("boxes", "bags", "crates", "jars", "packs", "trays")
+BOXES = ("boxes", "bags", "crates", "jars", "tins", "trays")
 SUM_TEMPLATES = (
     "{name} has {a} {item} and finds {b} more . how many {item} ?",
     "{name} buys {a} {item} and {b} {item} . how many {item} ?",
@@ -52,7 +52,7 @@ PRODUCT_TEMPLATES = (
 )
 SUM_OPERANDS = range(1, 10)
 PRODUCT_OPERANDS = range(32, 100)  # products 1024..9801: always 4 digits
-EASY_FRACTION = 0.25  # sums among sampled problems; the rest are products
+EASY_FRACTION = 0.2  # sums among sampled problems; the rest are products
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 ERROR_OBSERVATION = " = error"
