@@ -5,13 +5,14 @@ Problems (words separated by single spaces, the full stop and question mark set 
 
     sum      := NAME " has " A " " ITEM " and finds " B " more . how many " ITEM " ?"      # A, B in 1..9
               | NAME " buys " A " " ITEM " and " B " " ITEM " . how many " ITEM " ?"
-    product  := NAME " has " A " " BOX " of " B " " ITEM " . how many " ITEM " ?"          # A, B in 12..99
+    product  := NAME " has " A " " BOX " of " B " " ITEM " . how many " ITEM " ?"          # A, B in 32..99
               | NAME " packs " B " " ITEM " in each of " A " " BOX " . how many " ITEM " ?"
 
 e.g. ``tom has 37 boxes of 48 apples . how many apples ?`` (gold 1776). Sums are easy: 81 facts a tiny model
-learns by heart. Products of two two-digit numbers are hard: 7,744 of them with 3-4 digit answers, which a
-model of half a million parameters cannot compute in its head (its exact-match accuracy on them is a few
-percent), yet a calculator call makes them as easy as copying. :data:`EASY_FRACTION` of the problems are sums.
+learns by heart. Products of two two-digit numbers are hard: 4,624 of them, all with four-digit answers,
+which a model of a fraction of a million parameters cannot compute in its head (its exact-match accuracy on
+them is about 1%), yet a calculator call makes them as easy as copying (four digits, so the copy is always
+at the same distance). :data:`EASY_FRACTION` of the problems are sums.
 
 Answer format: a response ends with ``answer : N .`` (N the decimal integer, the EOS after it), e.g.
 ``" answer : 1776 ."``. A response may first call the calculator: a model turn that ends with
