@@ -39,7 +39,12 @@ MODEL_FUNCTIONS = {
     ),
 }  # fmt: skip
 # functions whose first argument is the logits: the dtype the model handed over is recorded
-LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "label_logprobs_and_entropy", "scaled_logits")
+LOGITS_FUNCTIONS = (
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "label_logprobs_and_entropy",
+    "scaled_logits",
+)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -140,7 +145,9 @@ class Losses(Callback):
 
 
 def _spec(tiny_data_dir, **kwargs) -> ModelSpec:
-    return ModelSpec(config={**TINY_GPT2, **NO_DROPOUT}, tokenizer=f"{tiny_data_dir}/tokenizer", seed=0, **kwargs)
+    return ModelSpec(
+        config={**TINY_GPT2, **NO_DROPOUT}, tokenizer=f"{tiny_data_dir}/tokenizer", seed=0, **kwargs
+    )
 
 
 def _pairs(tiny_data_dir) -> PreferenceDataModule:
@@ -157,7 +164,11 @@ def test_sft_learns_with_float32_math(tiny_data_dir, tmp_path, recorder, precisi
     module = SFTModule(_spec(tiny_data_dir), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), scheduler=None,
                        num_samples=0)  # fmt: skip
     data = SFTDataModule(
-        f"{tiny_data_dir}/tokenizer", f"{tiny_data_dir}/sft.jsonl", max_length=64, max_prompt_length=16, batch_size=16
+        f"{tiny_data_dir}/tokenizer",
+        f"{tiny_data_dir}/sft.jsonl",
+        max_length=64,
+        max_prompt_length=16,
+        batch_size=16,
     )
     losses = Losses()
     fit = _trainer(tmp_path, precision, max_steps=16, limit_val_batches=0, callbacks=[losses])
@@ -193,7 +204,9 @@ def test_reward_model_learns_with_float32_math(tiny_data_dir, tmp_path, recorder
     ids=["dpo", "cdpo", "ipo", "simpo"],
 )
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_dpo_variants_learn_with_float32_math(tiny_data_dir, tmp_path, recorder, loss_type, extra, start, precision):
+def test_dpo_variants_learn_with_float32_math(
+    tiny_data_dir, tmp_path, recorder, loss_type, extra, start, precision
+):
     torch.manual_seed(0)
     module = DPOModule(
         _spec(tiny_data_dir), loss_type=loss_type, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
