@@ -357,3 +357,39 @@ def test_ppo_bf16_reference_and_reward_weights(tokenizer_dir, tmp_path, recorder
     rollouts.check("old_logprobs", "ref_logprobs", "old_values", "advantages", "scores")
     assert_training_state(module, fit.optimizers)
     assert len(read_metrics(tmp_path)) == 2
+
+
+# -- the generation head under autocast ---------------------------------------------------------------------
+class WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the dtype casts of tensors with ``numel`` elements (the LM head's weight)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].numel() == self.numel:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_transposed_generation_head_is_cast_once_under_autocast(tokenizer_dir):
+    """bf16-mixed generation: the (H, V) copy of the head is made in bfloat16 once per generate call,
+    not cast again at every decoding step, and the logits are autocast's own (bfloat16 products)."""
+    from lit_rlhf.models import build_causal_lm, load_tokenizer
+    from lit_rlhf.models.decoding import TRANSPOSED_HEAD_MIN_ELEMENTS, transposed_lm_head
+
+    vocab = TRANSPOSED_HEAD_MIN_ELEMENTS // 32 + 7  # a head big enough to be swapped
+    spec = ModelSpec(config=gpt2_config(vocab), tokenizer=tokenizer_dir, seed=0)
+    model = build_causal_lm(spec, load_tokenizer(tokenizer_dir)).eval()
+    ids = torch.randint(5, 300, (3, 9))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        plain = model(input_ids=ids).logits
+        casts = WeightCasts(model.get_output_embeddings().weight.numel())
+        with transposed_lm_head(model) as swapped, casts:
+            assert swapped
+            steps = [model(input_ids=ids[:, : t + 1]).logits for t in range(4)]
+    assert casts.count == 0, f"{casts.count} casts of the (H, V) weight in 4 decoding steps"
+    assert steps[-1].dtype == plain.dtype == torch.bfloat16
+    torch.testing.assert_close(steps[-1], plain[:, :4], rtol=1.6e-2, atol=1e-2)
+    assert model.get_output_embeddings().weight.dtype == torch.float32  # the model itself is untouched
