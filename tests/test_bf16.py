@@ -14,6 +14,7 @@ import inspect
 import math
 import sys
 from collections import defaultdict
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from test_ppo import read_metrics
 from lit_rlhf.data import PreferenceDataModule, SFTDataModule
 from lit_rlhf.models import ModelSpec
 from lit_rlhf.modules import DPOModule, RewardModelModule, SFTModule
+from lit_rlhf.modules.optim import AdamW, CriticAdamW, PolicyAdamW
 
 TINY_GPT2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=2, n_positions=128)
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -130,6 +132,7 @@ def _trainer(root, precision: str = "bf16-mixed", **kwargs) -> Trainer:
     defaults = dict(
         default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, accelerator="cpu", precision=precision,
+        gradient_clip_val=1.0,
     )  # fmt: skip
     return Trainer(**{**defaults, **kwargs})
 
@@ -161,7 +164,7 @@ def _pairs(tiny_data_dir) -> PreferenceDataModule:
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_sft_learns_with_float32_math(tiny_data_dir, tmp_path, recorder, precision):
     torch.manual_seed(0)
-    module = SFTModule(_spec(tiny_data_dir), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), scheduler=None,
+    module = SFTModule(_spec(tiny_data_dir), optimizer=partial(AdamW, lr=3e-3), scheduler=None,
                        num_samples=0)  # fmt: skip
     data = SFTDataModule(
         f"{tiny_data_dir}/tokenizer",
@@ -182,7 +185,7 @@ def test_sft_learns_with_float32_math(tiny_data_dir, tmp_path, recorder, precisi
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_reward_model_learns_with_float32_math(tiny_data_dir, tmp_path, recorder, precision):
     torch.manual_seed(0)
-    module = RewardModelModule(_spec(tiny_data_dir), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+    module = RewardModelModule(_spec(tiny_data_dir), optimizer=partial(AdamW, lr=3e-3),
                                scheduler=None)  # fmt: skip
     losses = Losses()
     fit = _trainer(tmp_path, precision, max_steps=16, limit_val_batches=0, callbacks=[losses])
@@ -209,7 +212,7 @@ def test_dpo_variants_learn_with_float32_math(
 ):
     torch.manual_seed(0)
     module = DPOModule(
-        _spec(tiny_data_dir), loss_type=loss_type, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        _spec(tiny_data_dir), loss_type=loss_type, optimizer=partial(AdamW, lr=1e-3),
         scheduler=None, num_samples=0, **extra,
     )  # fmt: skip
     losses = Losses()
@@ -227,7 +230,7 @@ def test_dpo_bf16_reference_under_bf16_mixed(tiny_data_dir, tmp_path, recorder):
     torch.manual_seed(0)
     module = DPOModule(
         _spec(tiny_data_dir), reference=_spec(tiny_data_dir, dtype="bfloat16"), precompute_ref_logprobs=True,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), scheduler=None, num_samples=0,
+        optimizer=partial(AdamW, lr=1e-3), scheduler=None, num_samples=0,
     )  # fmt: skip
     assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
     losses = Losses()
@@ -242,6 +245,12 @@ def test_dpo_bf16_reference_under_bf16_mixed(tiny_data_dir, tmp_path, recorder):
 
 
 # -- online modules ---------------------------------------------------------------------------------------
+# the modules' default optimisers (torch's fused AdamW on the CPU), with update.max_grad_norm = 1.0 clipping
+PPO_OPTIMIZERS = dict(
+    actor_optimizer=partial(PolicyAdamW, lr=1e-2), critic_optimizer=partial(CriticAdamW, lr=1e-2)
+)
+
+
 class RolloutDtypes:
     """Records the float dtypes of every rollout put into the module's replay buffer."""
 
@@ -267,7 +276,7 @@ def _score_rise(rows, n=5) -> tuple[float, float]:
 
 def test_ppo_bf16_mixed_learns_in_float32(tokenizer_dir, tmp_path, recorder):
     torch.manual_seed(0)
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=20)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=20, **PPO_OPTIMIZERS)
     rollouts = RolloutDtypes(module)
     fit = trainer(tmp_path, precision="bf16-mixed", accelerator="cpu")
     fit.fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))
@@ -283,7 +292,7 @@ def test_ppo_bf16_mixed_learns_in_float32(tokenizer_dir, tmp_path, recorder):
 
 def test_ppo_bf16_true_keeps_the_math_in_float32(tokenizer_dir, tmp_path, recorder):
     torch.manual_seed(0)
-    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=3)
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=3, **PPO_OPTIMIZERS)
     rollouts = RolloutDtypes(module)
     fit = trainer(tmp_path, precision="bf16-true", accelerator="cpu")
     fit.fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))
@@ -302,7 +311,7 @@ def test_grpo_bf16_mixed_learns_in_float32(tokenizer_dir, tmp_path, recorder, ch
     # "on": the LM head applied to the response tokens' hidden states in chunks, under autocast
     torch.manual_seed(0)
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), max_rollouts=20, kl={"coef": 0.0, "loss_coef": 0.05},
+        tokenizer_dir, gpt2_config(), max_rollouts=20, actor_optimizer=partial(PolicyAdamW, lr=1e-2), kl={"coef": 0.0, "loss_coef": 0.05},
         actor={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0, "logits_chunking": chunking},
         generation={"max_new_tokens": 8, "num_samples": 4, "sampler": "multinomial"},
     )  # fmt: skip
@@ -324,7 +333,7 @@ def test_grpo_bf16_true_keeps_the_math_in_float32(tokenizer_dir, tmp_path, recor
     The fused LM head (no autocast here) takes its low-precision path."""
     torch.manual_seed(0)
     module = tiny_critic_free(
-        tokenizer_dir, gpt2_config(), max_rollouts=20,
+        tokenizer_dir, gpt2_config(), max_rollouts=20, actor_optimizer=partial(PolicyAdamW, lr=1e-2),
         actor={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0, "logits_chunking": "on"},
         generation={"max_new_tokens": 8, "num_samples": 4, "sampler": "multinomial"},
     )  # fmt: skip
@@ -347,7 +356,7 @@ def test_ppo_bf16_reference_and_reward_weights(tokenizer_dir, tmp_path, recorder
     bf16 = {"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0, "dtype": "bfloat16"}
     module = tiny_ppo(
         tokenizer_dir, gpt2_config(), max_rollouts=2, reference=bf16, reward_model=bf16, reward_fn=None,
-        share_critic_backbone=True,
+        share_critic_backbone=True, **PPO_OPTIMIZERS,
     )  # fmt: skip
     assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
     rollouts = RolloutDtypes(module)
@@ -393,3 +402,47 @@ def test_transposed_generation_head_is_cast_once_under_autocast(tokenizer_dir):
     assert steps[-1].dtype == plain.dtype == torch.bfloat16
     torch.testing.assert_close(steps[-1], plain[:, :4], rtol=1.6e-2, atol=1e-2)
     assert model.get_output_embeddings().weight.dtype == torch.float32  # the model itself is untouched
+
+
+# -- gradient clipping with the default (fused) AdamW ----------------------------------------------------------
+class GradNorms(Callback):
+    """The total gradient norm before clipping (``on_before_optimizer_step``) and the one the optimiser
+    stepped with (a step post-hook: Lightning runs the closure, so the backward, inside ``step``)."""
+
+    def __init__(self) -> None:
+        self.before: list[float] = []
+        self.stepped: list[float] = []
+
+    @staticmethod
+    def norm(optimizer) -> float:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+    def on_train_start(self, trainer, module) -> None:
+        for opt in trainer.optimizers:
+            opt.register_step_post_hook(lambda opt, args, kwargs: self.stepped.append(self.norm(opt)))
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.before.append(self.norm(optimizer))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gradient_clipping_with_the_fused_default_optimiser(tiny_data_dir, tmp_path, precision):
+    # Lightning refuses to clip for an optimiser that unscales in its step (fused AdamW) under any mixed
+    # precision; bf16-mixed has no gradient scaler, so the modules clip as under 32-true
+    module = SFTModule(_spec(tiny_data_dir), optimizer=partial(AdamW, lr=1e-3), scheduler=None, num_samples=0)
+    data = SFTDataModule(
+        f"{tiny_data_dir}/tokenizer",
+        f"{tiny_data_dir}/sft.jsonl",
+        max_length=64,
+        max_prompt_length=16,
+        batch_size=16,
+    )
+    norms = GradNorms()
+    fit = _trainer(
+        tmp_path, precision, max_steps=3, limit_val_batches=0, gradient_clip_val=0.05, callbacks=[norms]
+    )
+    fit.fit(module, data)
+    assert fit.optimizers[0].defaults["fused"], "the default AdamW is torch's fused one"
+    assert len(norms.stepped) == 3 and min(norms.before) > 0.5, norms.before
+    assert max(norms.stepped) == pytest.approx(0.05, rel=1e-3), norms.stepped
