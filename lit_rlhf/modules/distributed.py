@@ -201,15 +201,18 @@ def clip_grad_norm(
 
 
 def clip_without_scaler(
-    module: LightningModule, optimizer: torch.optim.Optimizer, clip_val: float | None, algorithm: str | None = None
+    module: LightningModule,
+    optimizer: torch.optim.Optimizer,
+    clip_val: float | None,
+    algorithm: str | None = None,
 ) -> bool:
     """Clip ``optimizer``'s gradients (by ``algorithm``, default norm) under a mixed precision without a
     gradient scaler (``bf16-mixed``); returns whether it did (False: another precision, left to Lightning).
 
     Lightning's ``MixedPrecision.clip_gradients`` refuses every optimiser that unscales gradients in its own
     step (``_step_supports_amp_scaling``: fused AdamW, the default optimiser of the modules here) under
-    ``16-mixed`` and ``bf16-mixed`` alike, but only ``16-mixed`` has a gradient scaler whose unscaling that
-    step would skip: under ``bf16-mixed`` the gradients are the true ones and are clipped as under ``32-true``.
+    ``16-mixed`` and ``bf16-mixed`` alike, but only ``16-mixed`` has a gradient scaler whose unscaling
+    that step would skip: under ``bf16-mixed`` the gradients are the true ones, clipped as under ``32-true``.
     """
     trainer = _trainer(module)
     plugin = None if trainer is None else trainer.precision_plugin

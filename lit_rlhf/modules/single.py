@@ -111,8 +111,9 @@ class SingleModelModule(LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:  # fmt: skip
-        """``Trainer(gradient_clip_val=...)`` under ``bf16-mixed`` with the default fused AdamW, which Lightning
-        refuses (see :func:`~lit_rlhf.modules.distributed.clip_without_scaler`); other precisions: Lightning's."""
+        """``Trainer(gradient_clip_val=...)`` under ``bf16-mixed`` with the default fused AdamW, which
+        Lightning refuses (see :func:`~lit_rlhf.modules.distributed.clip_without_scaler`); other precisions
+        clip as Lightning does."""
         if not clip_without_scaler(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -118,7 +118,7 @@ def bf16_rows_wanted(mode: str, peak: dict | None) -> bool:
 
 
 def with_bf16_rows(names: list[str]) -> list[str]:
-    """``names`` with each BF16_WORKLOADS member followed by its bf16 row (and ``flops`` by ``flops_bf16``)."""
+    """``names`` with each BF16_WORKLOADS member followed by its bf16 row (``flops`` by ``flops_bf16``)."""
     out = []
     for name in names:
         out.append(name)
@@ -211,8 +211,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write every raw result and the summary to this JSON file")
     parser.add_argument(
         "--bf16-rows", choices=["auto", "on", "off"], default="auto",
-        help=f"the bf16-mixed rows of {', '.join(BF16_WORKLOADS)} (and flops): auto = where the measured bf16 "
-        f"matmul peak is >= {BF16_ROWS_MIN_SPEEDUP:g}x the fp32 one",
+        help=f"the bf16-mixed rows of {', '.join(BF16_WORKLOADS)} (and flops): auto = where the "
+        f"measured bf16 matmul peak is >= {BF16_ROWS_MIN_SPEEDUP:g}x the fp32 one",
     )  # fmt: skip
     parser.add_argument(
         "--peak-seconds", type=float, default=1.0, help="matmul_peak.py time per dtype and size"

@@ -196,7 +196,8 @@ def run_dtype(run: dict) -> str:
 
 
 def peak_table(peak: dict, min_speedup: float) -> str:
-    """The matmul peak of each dtype (matmul_peak.py) and whether the bf16 rows run (bf16/fp32 >= min_speedup)."""
+    """The matmul peak of each dtype (matmul_peak.py) and whether the bf16 rows run (bf16/fp32 >=
+    ``min_speedup``)."""
     ratio = peak["bf16_gflops"] / peak["fp32_gflops"]
     verdict = "run" if ratio >= min_speedup else "skipped"
     lines = [
