@@ -59,7 +59,8 @@ TRL_COMMON = dict(
 
 # The precisions of the rollout benchmarks (--precision): float32, or Lightning's bf16-mixed (torch.autocast
 # to bfloat16 on the CPU; weights, gradients and AdamW moments float32) against TRL with
-# TrainingArguments.bf16=True (accelerate's autocast to bfloat16 on the CPU: the same scheme).
+# TrainingArguments.bf16=True (accelerate's autocast to bfloat16 on the CPU: the same scheme; ppo_bench.py
+# also sets ACCELERATE_MIXED_PRECISION for PPOTrainer's own Accelerator).
 PRECISIONS = ("32-true", "bf16-mixed")
 # The driver adds the bf16 rows (W1_grpo_bf16, W3_ppo_bf16) where the measured bf16 matmul peak is at
 # least this multiple of the fp32 one (an AMX Xeon measures ~7x; a CPU without bf16 instructions far

@@ -14,13 +14,15 @@ Prints one ``BENCH_RESULT {json}`` line: per-rollout phase times (generation / s
 other / total, see common.Timeline), peak RSS, and with --count-flops the update phase's FLOPs counted
 by torch.utils.flop_counter.FlopCounterMode on the first (warm-up) rollout. The first ``--warmup``
 rollouts are reported but excluded from the driver's statistics. Settings: common.PPO. ``--precision
-bf16-mixed`` runs lit_rlhf under Lightning's bf16-mixed and TRL with ``bf16=True`` (both autocast to
-bfloat16 on the CPU, weights float32).
+bf16-mixed`` runs lit_rlhf under Lightning's bf16-mixed and TRL with ``bf16=True`` and
+``ACCELERATE_MIXED_PRECISION=bf16`` (its PPOTrainer's own Accelerator reads only the latter): both autocast
+to bfloat16 on the CPU, weights float32.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -194,6 +196,10 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
         def on_step_end(self, *a, **k):
             timeline.mark("iter_end")
 
+    if args.precision == "bf16-mixed":
+        # PPOTrainer builds its own Accelerator() without TrainingArguments' bf16: what reaches it is the
+        # launcher's setting (`accelerate launch --mixed_precision bf16` sets this variable)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     S, models, prompts = workload(args)
     tokenizer = AutoTokenizer.from_pretrained(models / "actor", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
