@@ -204,9 +204,10 @@ def test_reward_model_learns_with_float32_math(tiny_data_dir, tmp_path, recorder
     ("loss_type", "extra", "start"),
     [
         ("sigmoid", {}, math.log(2)),
-        ("sigmoid", {"label_smoothing": 0.1}, math.log(2)),  # cDPO
+        # cDPO and SimPO in the shared-prompt layout ([prompt | chosen | rejected], a 4D mask)
+        ("sigmoid", {"label_smoothing": 0.1, "shared_prefix": "on"}, math.log(2)),  # cDPO
         ("ipo", {"beta": 1.0}, 0.25),  # (0 - 1 / (2 beta))^2
-        ("simpo", {"beta": 1.0, "simpo_gamma": 0.5}, None),  # reference-free
+        ("simpo", {"beta": 1.0, "simpo_gamma": 0.5, "shared_prefix": "on"}, None),  # reference-free
     ],
     ids=["dpo", "cdpo", "ipo", "simpo"],
 )
@@ -222,7 +223,8 @@ def test_dpo_variants_learn_with_float32_math(
     losses = Losses()
     fit = _trainer(tmp_path, precision, max_steps=6, limit_val_batches=0, callbacks=[losses])
     fit.fit(module, _pairs(tiny_data_dir))
-    recorder.check("response_logprobs", "dpo_loss")
+    packed = extra.get("shared_prefix") == "on"
+    recorder.check("packed_response_logprobs" if packed else "response_logprobs", "dpo_loss")
     assert_training_state(module, fit.optimizers, precision)
     if start is not None:  # the policy and its frozen copy run the same bf16 forward: equal log-probs
         assert losses.values[0] == pytest.approx(start, abs=1e-6)
@@ -312,19 +314,21 @@ def test_ppo_bf16_true_keeps_the_math_in_float32(tokenizer_dir, tmp_path, record
 
 @pytest.mark.parametrize("chunking", ["auto", "on"])
 def test_grpo_bf16_mixed_learns_in_float32(tokenizer_dir, tmp_path, recorder, chunking):
-    # "on": the LM head applied to the response tokens' hidden states in chunks, under autocast
+    # "on": the LM head applied to the response tokens' hidden states in chunks, under autocast, and a
+    # prompt's K responses scored and updated as one row (the shared-prompt layout, a 4D float mask)
     torch.manual_seed(0)
     module = tiny_critic_free(
         tokenizer_dir, gpt2_config(), max_rollouts=20, actor_optimizer=partial(PolicyAdamW, lr=1e-2),
         kl={"coef": 0.0, "loss_coef": 0.05},
+        scoring={"forward_batch_size": 8, "shared_prefix": "on" if chunking == "on" else "off"},
         actor={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0, "logits_chunking": chunking},
         generation={"max_new_tokens": 8, "num_samples": 4, "sampler": "multinomial"},
     )  # fmt: skip
     rollouts = RolloutDtypes(module)
     fit = trainer(tmp_path, precision="bf16-mixed", accelerator="cpu")
     fit.fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=4))
-    expected = ["policy_forward", "sequence_advantages", "ppo_policy_loss", "reference_kl_loss"]
-    recorder.check(*expected, *(["head_token_scores"] if chunking == "on" else []))
+    forwards = ["packed_token_scores", "head_token_scores"] if chunking == "on" else ["policy_forward"]
+    recorder.check(*forwards, "sequence_advantages", "ppo_policy_loss", "reference_kl_loss")
     rollouts.check("old_logprobs", "ref_logprobs", "advantages", "scores", "behavior_logprobs")
     assert_training_state(module, fit.optimizers)
     first, last = _score_rise(read_metrics(tmp_path))
