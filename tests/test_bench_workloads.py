@@ -131,3 +131,52 @@ def test_ablation_overrides_are_arguments_of_the_modules_settings_groups():
             else:
                 assert key == "actor", (name, key)
                 ModelSpec.coerce({"name_or_path": "x", **value}, key)
+
+
+PEAK = dict(
+    threads=1, fp32_gflops=200.0, fp32_cpu_gflops=210.0, bf16_gflops=1400.0, bf16_cpu_gflops=1500.0,
+    fp32_by_size={"512": 200.0}, bf16_by_size={"512": 1400.0},
+)  # fmt: skip
+
+
+def test_bf16_rows_run_where_the_bf16_peak_is_well_above_fp32():
+    import compare
+
+    assert compare.bf16_rows_wanted("auto", PEAK)  # 7x
+    assert not compare.bf16_rows_wanted("auto", {**PEAK, "bf16_gflops": 399.0})  # 1.995x < 2x
+    assert compare.bf16_rows_wanted("auto", {**PEAK, "bf16_gflops": 400.0})
+    assert not compare.bf16_rows_wanted("auto", None)  # no peak measured
+    assert compare.bf16_rows_wanted("on", {**PEAK, "bf16_gflops": 1.0})
+    assert not compare.bf16_rows_wanted("off", PEAK)
+    names = compare.with_bf16_rows(["W1_grpo", "W2_dpo", "W3_ppo", "flops"])
+    assert names == ["W1_grpo", "W1_grpo_bf16", "W2_dpo", "W3_ppo", "W3_ppo_bf16", "flops", "flops_bf16"]
+    jobs = compare.workload_jobs(compare.argparse.Namespace(size="smoke", rollouts=None, rm_steps=None, rm_warmup=5))
+    assert jobs["W3_ppo_bf16"] == (jobs["W3_ppo"][0], (*jobs["W3_ppo"][1], "--precision", "bf16-mixed"))
+    assert "--precision" not in jobs["W1_grpo"][1]
+    assert "| bf16 | 1400.0 | 1500.0 | 512: 1400 |" in report.peak_table(PEAK, 2.0)
+    assert "bf16 rows run (bf16/fp32 7.00x, threshold 2x)" in report.peak_table(PEAK, 2.0)
+
+
+def test_bf16_rows_summary_and_what_bf16_buys():
+    # lit: fp32 100 tokens/s, bf16 300 (3x); trl: fp32 50, bf16 75 (1.5x)
+    def run(tok_s):
+        return rollout_run([9.0, 1.0], [1, tok_s], 1.0)
+
+    runs = {"W1_grpo": [(run(100), run(50))], "W1_grpo_bf16": [(run(300), run(75))]}
+    summ = report.summary(runs)
+    assert summ["W1_grpo_bf16"]["throughput_ratio"] == pytest.approx(4.0)
+    assert summ["W1_grpo_bf16"]["throughput_unit"] == "response tokens/s"
+    text = report.precision_speedups(runs, "lit", "trl")
+    assert "- W1_grpo: bf16-mixed / float32 throughput, lit 3.00x, trl 1.50x" in text
+    assert report.precision_speedups({"W1_grpo": runs["W1_grpo"]}, "lit", "trl") == ""
+
+
+def test_flop_utilisation_is_against_the_peak_of_the_dtype_in_use():
+    settings = dict(batch=1, prompt_len=1, response_len=1, ppo_epochs=1)
+    rollouts = [dict(update=1.0, cpu_update=1.0, optimizer=0.0, cpu_optimizer=0.0, total=2.0, cpu_total=2.0)] * 2
+    run = dict(impl="lit", actor_params=1, critic_params=1, update_flops=700e9, rollouts=rollouts,
+               tokens_per_rollout=10, peak_rss_mb=1.0)  # fmt: skip
+    # 700 GFLOP/s: 350% of the fp32 peak (a float32 run), 50% of the bf16 peak (a bf16-mixed run)
+    assert "| fraction of the fp32 peak (target >= 60%) | 350% | 333% |" in report.flops_table(PEAK, run, settings)
+    bf16 = report.flops_table(PEAK, {**run, "precision": "bf16-mixed"}, settings)
+    assert "| fraction of the bf16 peak | 50% | 47% |" in bf16 and "bf16-mixed" in bf16

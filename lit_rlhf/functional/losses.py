@@ -104,9 +104,10 @@ def aggregation_weight(
     Returns:
         scalar tensor: masked tokens of the part / of the minibatch, or rows of the part / of the minibatch.
     """
+    # float32 whatever the default dtype (Lightning's bf16-true makes it bfloat16 inside training_step)
     if loss_aggregation == "token_mean":
-        return part_mask.sum() / total_mask.sum()
-    return torch.tensor(part_mask.shape[0] / total_mask.shape[0], device=part_mask.device)
+        return part_mask.sum().float() / total_mask.sum().float()
+    return torch.tensor(part_mask.shape[0] / total_mask.shape[0], dtype=torch.float32, device=part_mask.device)
 
 
 def ppo_policy_loss(

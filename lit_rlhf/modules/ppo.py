@@ -194,10 +194,10 @@ class PPOModule(OnlineRLModule):
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         metrics = super().schedule_metrics()
         if self.update.policy_loss == "kl_penalty":
-            metrics["beta"] = torch.tensor(self.beta_ctl.value)
+            metrics["beta"] = torch.tensor(self.beta_ctl.value, dtype=torch.float32)
         actor_opt, critic_opt = self.optimizers()
-        metrics["lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"])
-        metrics["lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"])
+        metrics["lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"], dtype=torch.float32)
+        metrics["lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"], dtype=torch.float32)
         return metrics
 
     # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,12 @@ and DPO, W3 PPO), the fixed-length controls (PPO, reward model), matmul peak and
 
     .venv/bin/python scripts/bench/compare.py --trl-python .bench-venv/bin/python [--threads 1]
         [--workloads W1_grpo,W2_dpo] [--size full|smoke] [--repeats 3] [--out results.json]
+        [--bf16-rows auto|on|off]
+
+The fp32 and bf16 matmul peaks are measured first (matmul_peak.py). Where the bf16 peak is at least
+``common.BF16_ROWS_MIN_SPEEDUP`` times the fp32 one (``--bf16-rows auto``), W1 and W3 also run as the rows
+``W1_grpo_bf16`` and ``W3_ppo_bf16`` (lit_rlhf under Lightning's bf16-mixed, TRL with ``bf16=True``), and
+the FLOP-utilisation run is repeated under bf16-mixed, its utilisation taken against the bf16 peak.
 
 Builds the shared assets once (tokenizer, initial weights, prompts, pairs), then runs every benchmark as
 its own subprocess (so peak RSS is per run), alternating the two implementations (A B, B A, A B, ...)
@@ -28,8 +34,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import PPO, RESULT_PREFIX, child_env, log  # noqa: E402
-from report import flops_table, ppo_table, rm_table, summary, summary_table, versions_line  # noqa: E402
+from common import BF16_ROWS_MIN_SPEEDUP, PPO, RESULT_PREFIX, child_env, log  # noqa: E402
+from report import (  # noqa: E402
+    BF16_SUFFIX,
+    base_workload,
+    flops_table,
+    peak_table,
+    ppo_table,
+    precision_speedups,
+    rm_table,
+    summary,
+    summary_table,
+    versions_line,
+)
 from workloads import SIZES, WORKLOADS, assets_dir  # noqa: E402
 
 
@@ -75,7 +92,7 @@ def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
     rollouts = args.rollouts or size["control_rollouts"]
     rm_steps = args.rm_steps or size["control_rm_steps"]
     sized = ("--size", args.size)
-    return {
+    jobs = {
         "W1_grpo": ("grpo_bench.py", sized),
         "W2_rm": ("pair_bench.py", ("--algo", "rm", *sized)),
         "W2_dpo": ("pair_bench.py", ("--algo", "dpo", *sized)),
@@ -83,6 +100,31 @@ def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
         "control_ppo": ("ppo_bench.py", ("--rollouts", str(rollouts))),
         "control_rm": ("rm_bench.py", ("--steps", str(rm_steps), "--warmup", str(args.rm_warmup))),
     }
+    for name in BF16_WORKLOADS:
+        script, extra = jobs[name]
+        jobs[name + BF16_SUFFIX] = (script, (*extra, "--precision", "bf16-mixed"))
+    return jobs
+
+
+BF16_WORKLOADS = ("W1_grpo", "W3_ppo")  # the workloads with a bf16-mixed row
+
+
+def bf16_rows_wanted(mode: str, peak: dict | None) -> bool:
+    """``--bf16-rows``: ``on``, ``off``, or ``auto`` = where the measured bf16 matmul peak is at least
+    BF16_ROWS_MIN_SPEEDUP times the fp32 one."""
+    if mode != "auto":
+        return mode == "on"
+    return peak is not None and peak["bf16_gflops"] >= BF16_ROWS_MIN_SPEEDUP * peak["fp32_gflops"]
+
+
+def with_bf16_rows(names: list[str]) -> list[str]:
+    """``names`` with each BF16_WORKLOADS member followed by its bf16 row (``flops`` by ``flops_bf16``)."""
+    out = []
+    for name in names:
+        out.append(name)
+        if name in BF16_WORKLOADS or name == "flops":
+            out.append(name + BF16_SUFFIX)
+    return out
 
 
 def selected(args) -> list[str]:
@@ -120,13 +162,18 @@ def tables(results: dict, a: str, b: str) -> list[str]:
         "W3_ppo": "W3 PPO: responses of <= 64 tokens (EOS-stopped), prompts of 16-256 tokens, vocab 32k",
     }
     out = []
-    for name, pairs in runs.items():
+    for row, pairs in runs.items():
+        name = base_workload(row)
         if name == "control_ppo":
             out.append(ppo_table(pairs, a, b, PPO, rss_target="<= 0.8x", target=">= 1.0x"))
         elif name in titled:
             run = pairs[0][0]
             title = f"{titled[name]}, {run['actor_params'] / 1e6:.1f}M-parameter Llama actor"
-            out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "<= 0.7x"))
+            if row != name:  # a bf16 row: no target of the issue
+                title = f"{row}: {title}; bf16-mixed (lit_rlhf: Trainer precision bf16-mixed, TRL: bf16=True)"
+                out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "", ""))
+            else:
+                out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "<= 0.7x"))
         elif name == "control_rm":
             out.append(rm_table(pairs, a, b, target=">= 1.0x"))
         else:
@@ -162,6 +209,14 @@ def main() -> None:
     parser.add_argument("--flops-rollouts", type=int, default=3, help="PPO rollouts of the >= 20M model")
     parser.add_argument("--assets", help="reuse (or create) the assets in this folder instead of a temp one")
     parser.add_argument("--out", help="also write every raw result and the summary to this JSON file")
+    parser.add_argument(
+        "--bf16-rows", choices=["auto", "on", "off"], default="auto",
+        help=f"the bf16-mixed rows of {', '.join(BF16_WORKLOADS)} (and flops): auto = where the "
+        f"measured bf16 matmul peak is >= {BF16_ROWS_MIN_SPEEDUP:g}x the fp32 one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak-seconds", type=float, default=1.0, help="matmul_peak.py time per dtype and size"
+    )
     args = parser.parse_args()
     # absolute (runs start in a temp folder), but not resolved: a venv's python is a symlink
     args.trl_python = os.path.abspath(args.trl_python)
@@ -176,12 +231,18 @@ def main() -> None:
         build_assets(args, names)
         runner, jobs = Runner(args, Path(tmp)), workload_jobs(args)
         results: dict = {"threads": args.threads, "a": args.a, "b": args.b, "size": args.size, "runs": {}}
+        if args.bf16_rows == "auto" or "flops" in names:
+            log("matmul peak of fp32 and bf16")
+            results["peak"] = runner.run("matmul_peak.py", "lit", "--seconds", str(args.peak_seconds))
+        results["bf16_rows"] = bf16_rows_wanted(args.bf16_rows, results.get("peak"))
+        if results["bf16_rows"]:
+            names = with_bf16_rows(names)
         for name in names:
-            if name == "flops":
-                log("matmul peak, then lit_rlhf PPO on the >= 20M-parameter model")
-                results["peak"] = runner.run("matmul_peak.py", "lit")
+            if name.startswith("flops"):
+                precision = "bf16-mixed" if name != "flops" else "32-true"
+                log(f"lit_rlhf PPO on the >= 20M-parameter model, {precision}")
                 flop_args = ("--model", "large", "--rollouts", str(args.flops_rollouts), "--count-flops")
-                results["flops"] = runner.run("ppo_bench.py", args.a, *flop_args)
+                results[name] = runner.run("ppo_bench.py", args.a, *flop_args, "--precision", precision)
                 continue
             script, extra = jobs[name]
             log(f"{name}: {args.repeats} x ({args.a}, {args.b})")
@@ -192,12 +253,18 @@ def main() -> None:
     results["summary"] = summary(results["runs"])
     header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}, size={args.size}"
     print(f"\n## lit_rlhf benchmarks ({header})\n")
+    if "peak" in results:
+        print(peak_table(results["peak"], BF16_ROWS_MIN_SPEEDUP))
     if results["runs"]:
         print(summary_table(results["summary"], args.a, args.b))
     for table in tables(results, args.a, args.b):
         print(table)
-    if "flops" in results:
-        print(flops_table(results["peak"], results["flops"], PPO))
+    speedups = precision_speedups(results["runs"], args.a, args.b)
+    if speedups:
+        print(speedups)
+    for name in ("flops", "flops" + BF16_SUFFIX):
+        if name in results:
+            print(flops_table(results["peak"], results[name], PPO))
     print(versions_line(results))
     print(f"total benchmark time: {results['wall_s'] / 60:.1f} min")
     if args.out:

@@ -8,8 +8,9 @@ top-k/top-p, pad suppressed), score them with the same Python reward function, a
 step per rollout: one pass (TRL num_iterations=1) over one minibatch of all rows, token-mean loss
 aggregation (TRL loss_type="dapo"; one process, so the same as the local token mean), clipped ratio
 eps 0.2, k3 KL-to-reference loss with beta 0.04, group-std advantages, AdamW lr 1e-6 without weight
-decay, gradient clipping 1.0, float32, no gradient checkpointing. Prompts come in dataset order (TRL
-``shuffle_dataset=False``), so both runs see the same prompts per rollout.
+decay, gradient clipping 1.0, float32 (``--precision bf16-mixed``: Lightning's bf16-mixed against TRL's
+``bf16=True``, both autocast to bfloat16 with float32 weights), no gradient checkpointing. Prompts come in
+dataset order (TRL ``shuffle_dataset=False``), so both runs see the same prompts per rollout.
 
 Prints one ``BENCH_RESULT {json}`` line: per-rollout phases (common.Timeline) and the real response
 tokens of each rollout (EOS included), peak RSS. The first rollout is a warm-up.
@@ -30,6 +31,7 @@ from common import (  # noqa: E402
     emit,
     footprint,
     set_threads,
+    trl_precision,
     with_overrides,
 )
 from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
@@ -97,6 +99,7 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
         trainer = Trainer(
             accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=1, default_root_dir=root, callbacks=[Marks()],
+            precision=args.precision,
         )  # fmt: skip
         trainer.fit(module, loader)
     return sum(p.numel() for p in module.actor.parameters())
@@ -159,7 +162,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             shuffle_dataset=False,
             disable_dropout=True,
             logging_steps=1,
-            **TRL_COMMON,
+            **{**TRL_COMMON, **trl_precision(args.precision)},
             **TRL_VLLM.get(args.trl_vllm, {}),
         )
         trainer = TimedGRPOTrainer(
@@ -177,7 +180,7 @@ TRL_VLLM = {"colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memor
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, lit_args=True)
+    parser = bench_parser(__doc__, lit_args=True, precision=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--trl-vllm", choices=sorted(TRL_VLLM), help="TRL generates with vLLM (colocate)")
     args = parser.parse_args()
@@ -195,6 +198,7 @@ def main() -> None:
             impl=args.impl,
             workload="W1_grpo",
             size=args.size,
+            precision=args.precision,
             threads=torch.get_num_threads(),
             actor_params=actor_params,
             response_tokens=tokens,
