@@ -94,7 +94,8 @@ def test_cli_model_choices_hide_internal_bases():
     import lit_rlhf.modules  # noqa: F401  (imports the bases too)
 
     choices = get_all_subclass_paths(pl.LightningModule)  # what --model offers (shortest import paths)
-    public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule")
+    public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "OnlineDPOModule",
+              "RewardEnsembleModule")  # fmt: skip
     assert {f"lit_rlhf.{name}" for name in public} <= set(choices)
     internal = (
         "SingleModelModule", "OnlineRLModule", "OnlineBookkeeping", "OnlineEvaluation", "OnlineUpdate", "RolloutScoring",
