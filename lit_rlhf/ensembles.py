@@ -136,7 +136,17 @@ def coerce_reward_model(value: Any, argument: str = "reward_model") -> ModelSpec
     """
     if value is None or isinstance(value, RewardEnsemble):
         return value
-    if isinstance(value, dict) and "ensemble" in value:
+    if isinstance(value, dict) and {"ensemble", "aggregation", "coef"} & set(value):
+        if "ensemble" not in value:  # e.g. a command-line override that jsonargparse could not merge
+            aggregation = value.get("aggregation")
+            if aggregation is not None and aggregation not in ENSEMBLE_AGGREGATIONS:
+                raise ValueError(
+                    f"{argument}.aggregation must be one of {list(ENSEMBLE_AGGREGATIONS)}, got {aggregation!r}"
+                )
+            raise ValueError(
+                f"{argument}: `aggregation` and `coef` are settings of an ensemble, which needs `ensemble` (a folder "
+                f"or a list of member specs) too; got {value!r:.200}"
+            )
         return RewardEnsemble.coerce(value, argument)
     spec = ModelSpec.coerce(value, argument)
     if spec.config is None and is_ensemble_folder(spec.name_or_path):

@@ -72,8 +72,9 @@ def exports(workdir) -> Path:
         ("ppo", "kl_ref"),
         pytest.param("grpo", "kl_ref", marks=pytest.mark.slow),  # ~20 s each on 2 shared cores
         pytest.param("dpo", "rewards/accuracies", marks=pytest.mark.slow),
+        pytest.param("online_dpo", "kl_ref", marks=pytest.mark.slow),
     ],
-    ids=["ppo", "grpo", "dpo"],
+    ids=["ppo", "grpo", "dpo", "online_dpo"],
 )
 def test_online_and_dpo_tiny_configs_validate_and_test(exports, name, metric):
     config = str(ROOT / f"configs/{name}_tiny.yaml")

@@ -62,7 +62,7 @@ def fit(
     return run
 
 
-def test_three_members_train_export_and_reload_to_score_as_the_members_do(tiny_data_dir, tmp_path):
+def test_three_members_train_export_and_reload_to_score_as_the_members_do(tiny_data_dir, tokenizer_dir, tmp_path):
     tok = f"{tiny_data_dir}/tokenizer"
     module = RewardEnsembleModule({"config": TINY, "tokenizer": tok}, num_members=3, aggregation="mean_minus_std",
                                   coef=0.5, optimizer=adamw(1e-3), scheduler=None)  # fmt: skip
@@ -104,10 +104,19 @@ def test_three_members_train_export_and_reload_to_score_as_the_members_do(tiny_d
     assert list(parts) == ["member_0", "member_1", "member_2"]
     assert torch.equal(torch.stack(list(parts.values())), alone)
     assert torch.equal(total, F.aggregate_ensemble(alone, "mean_minus_std", 0.5))
-    with torch.no_grad():
-        torch.testing.assert_close(
-            module.eval()(ids, mask), alone
-        )  # the in-memory members, to float rounding
+    with torch.no_grad():  # the in-memory members, to float rounding
+        torch.testing.assert_close(module.eval()(ids, mask), alone)
+    # an actor with another vocabulary: the text is re-tokenised once for all members, as for one reward model
+    actor_tokenizer = load_tokenizer(tokenizer_dir)
+    other = RewardSource(coerce_reward_model(str(tmp_path / "export")), None, actor_tokenizer)
+    assert other.model_tokenizer is not None
+    actor_ids = actor_tokenizer(["review 3: great food", "review 4: awful staff"], return_tensors="pt", padding=True)
+    texts = (actor_ids["input_ids"], actor_ids["attention_mask"], 3, 4)
+    each = [
+        RewardSource(ModelSpec(name_or_path=str(tmp_path / "export" / f"member_{k}")), None, actor_tokenizer).score(*texts)
+        for k in range(3)
+    ]  # fmt: skip
+    assert torch.equal(torch.stack(list(other.score_terms(*texts)[1].values())), torch.stack(each))
     # 4. A member trains as it would alone: RewardModelModule with member 1's seed on the same batches.
     single = RewardModelModule(
         {"config": TINY, "tokenizer": tok, "seed": 1}, optimizer=adamw(1e-3), scheduler=None
@@ -188,6 +197,9 @@ def test_reward_model_forms_of_an_ensemble(ensemble_dir):
             TypeError,
             r"reward_model: unknown RewardEnsemble field\(s\) \['weights'\]",
         ),
+        # a command-line override of one field that jsonargparse could not merge arrives alone
+        ({"aggregation": "median"}, ValueError, r"reward_model.aggregation must be one of \['mean', "),
+        ({"coef": 2.0}, ValueError, "settings of an ensemble, which needs `ensemble`"),
     ],
 )
 def test_ensemble_settings_are_checked(value, error, message):

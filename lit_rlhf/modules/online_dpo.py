@@ -159,11 +159,16 @@ class OnlineDPOModule(OnlineRLModule):
         super().__init__(
             actor=actor, preference=preference, generation=generation, update=update, kl=kl, **kwargs
         )
-        self.check_pairs_settings()
         self.factories = ((actor_optimizer, actor_scheduler),)
-        self.pair_roles: torch.Tensor | None = (
-            None  # (B,) +1 chosen, -1 rejected, 0 unpaired, during the update
-        )
+        # (B,) +1 chosen, -1 rejected, 0 in no pair: each row's role while the update runs
+        self.pair_roles: torch.Tensor | None = None
+
+    @override
+    def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
+        """The base's checked settings groups, then the pairs' own checks (before any model is loaded)."""
+        engine = super().configure_settings(groups, engine, reward_model, reward_fn, max_rollouts)
+        self.check_pairs_settings()
+        return engine
 
     def check_pairs_settings(self) -> None:
         """Refuse settings under which a prompt has no pair, or its pair is split across micro-batches."""
@@ -183,12 +188,7 @@ class OnlineDPOModule(OnlineRLModule):
         self.restore_rng()
         # 1. Generate K >= 2 responses per prompt with the current policy (each prompt's K rows contiguous).
         sample = self.sample(batch)
-        ids, attention, mask, T = (
-            sample.input_ids,
-            sample.attention_mask,
-            sample.loss_mask,
-            sample.responses.ids.shape[1],
-        )
+        ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: old and reference log-probs, entropy, and the sequence scores.
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
@@ -196,9 +196,7 @@ class OnlineDPOModule(OnlineRLModule):
         chosen, rejected, paired = F.best_worst_pairs(scores, self.num_samples, keep)  # (G,), (G,), (G,)
         self.pair_roles = self.log_pairs(scores, chosen, rejected, paired)  # (B,)
         # 4. update.epochs passes of the preference loss over minibatches of whole prompts (no advantages).
-        rollout = self.build_rollout(
-            sample, old_logprobs, ref_logprobs, torch.zeros_like(old_logprobs), scores
-        )
+        rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, torch.zeros_like(old_logprobs), scores)
         self.buffer.put(rollout, group_size=self.num_samples)
         self.run_update_epochs(self.preference_loss, [(self.optimizers(), self.actor)])
         self.buffer.clear()
@@ -207,19 +205,16 @@ class OnlineDPOModule(OnlineRLModule):
         #    metrics and samples.
         kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
-        self.log_rollout_stats(
-            sample, scores, scores - self.preference.beta * sequence_kl, kl, entropy, old_logprobs
-        )
+        self.log_rollout_stats(sample, scores, scores - self.preference.beta * sequence_kl, kl, entropy, old_logprobs)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
         self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
 
     def log_pairs(self, scores, chosen, rejected, paired) -> torch.Tensor:
-        """Log the rollout's pairs (``pairs``, ``ties`` over all ranks) and the score margins of its pairs;
-        returns the (B,) role of each row: +1 chosen, -1 rejected, 0 in no pair."""
-        counts = self.trainer.strategy.reduce(
-            torch.stack([paired.sum(), (~paired).sum()]).float(), reduce_op="sum"
-        )
+        """Log the rollout's prompts with and without a pair (``pairs``, ``ties``, over all ranks); returns
+        the (B,) role of each row: +1 chosen, -1 rejected, 0 in no pair."""
+        counts = torch.stack([paired.sum(), (~paired).sum()]).float()  # (2,)
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")  # (2,) every rank's
         self.update_metrics.update({"pairs": counts[0], "ties": counts[1]})
         roles = torch.zeros_like(scores, dtype=torch.long)  # (B,)
         roles[chosen[paired]], roles[rejected[paired]] = 1, -1
@@ -230,13 +225,7 @@ class OnlineDPOModule(OnlineRLModule):
         mask, T, K, pref = part.loss_mask, part.response_mask.shape[1], self.num_samples, self.preference
         layout = self.shared_prefix_layout(part.input_ids, part.attention_mask, T)
         logprobs, _ = self.actor_forward(
-            self.actor,
-            part.input_ids,
-            part.attention_mask,
-            T,
-            self.generation.temperature,
-            layout,
-            entropy=False,
+            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, layout, entropy=False
         )  # (b, T)
         drift = {
             "policy_kl": F.masked_mean(part.old_logprobs - logprobs.detach(), mask),

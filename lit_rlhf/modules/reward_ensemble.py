@@ -50,9 +50,10 @@ class RewardEnsembleModule(SingleModelModule):
     ``AutoModelForSequenceClassification`` loads, and an ``ensemble.json`` naming them with ``aggregation``
     and ``coef`` (:mod:`lit_rlhf.ensembles`); an online module's ``reward_model`` takes that folder.
 
-    All K models are held in memory and run every batch: for large reward models, train members in
-    separate fits (``RewardModelModule`` with different seeds) and give their folders as
-    ``reward_model: {ensemble: [...]}``.
+    Rows are scored padded, in length-bucketed micro-batches (``bucketing``); the shared-prompt layout of
+    ``RewardModelModule`` is not used. All K models are held in memory and run every batch: for large
+    reward models, train members in separate fits (``RewardModelModule`` with different seeds) and give
+    their folders as ``reward_model: {ensemble: [...]}``.
 
     Args:
         model: the members' reward model (a ModelSpec, a dict of its fields or a path): a causal-LM backbone
