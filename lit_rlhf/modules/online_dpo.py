@@ -7,7 +7,8 @@ with the reward model, the ensemble or the reward function, take each prompt's b
 as rejected (``functional.best_worst_pairs``; a tie gives no pair and no gradient, and is counted), then run
 ``update.epochs`` passes of the DPO (or IPO) loss of ``functional.dpo_loss`` over minibatches of whole
 prompts. The reference is a frozen copy of the initial policy, or the actor with its LoRA adapters disabled,
-as in :class:`~lit_rlhf.modules.DPOModule`; its log-probs come from the rollout's scoring forward.
+as in :class:`~lit_rlhf.modules.DPOModule`; its log-probs come from the rollout's scoring forward. Policy
+and reference log-probs are taken at ``generation.temperature`` (1.0 by default), as in every online module.
 
 Metrics, TRL's names under ``dpo/``: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies`` (the implicit rewards beta * log pi/pi_ref), ``logps/chosen``, ``logps/rejected``,
