@@ -173,6 +173,8 @@ def test_third_implementation_and_the_check_for_missing_environments(tmp_path):
     with pytest.raises(SystemExit, match="no TRL environment for trl-new at .*missing.*--c none"):
         compare.check_pythons(args, ["W3_ppo", "W2_dpo"])
     compare.check_pythons(compare.parse_args(["--trl-python", str(python), "--c", "none"]), ["W2_dpo"])
+    with pytest.raises(SystemExit):  # argparse's error: the same implementation twice
+        compare.parse_args(["--c", "trl"])  # B is trl too
 
 
 def test_versions_table_names_each_environment():

@@ -207,6 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # absolute (runs start in a temp folder), but not resolved: a venv's python is a symlink
     args.trl_python, args.trl_new_python = map(os.path.abspath, (args.trl_python, args.trl_new_python))
     args.c = third_impl(args.b, args.c)
+    impls = [args.a, args.b, *([args.c] if args.c else [])]
+    if len(set(impls)) < len(impls):
+        parser.error(f"--a, --b and --c name the same implementation twice: {impls}")
     return args
 
 

@@ -7,7 +7,7 @@
 # Needs lit_rlhf's .venv (make venv, or LIT_PYTHON) and the two TRL venvs of scripts/bench/setup.sh
 # (BENCH_VENV, default .bench-venv: trl 1.12.0; BENCH_VENV_NEW, default .bench-venv-new: the newest trl, the
 # second peer of W1 and W2; --c none runs without it). Default settings (--size full, every workload) take
-# about 20-25 minutes on a 2-core CPU with --threads 1 --repeats 3; --size smoke proves the harness in
+# about 20-30 minutes on a 2-core CPU with --threads 1 --repeats 3; --size smoke proves the harness in
 # < 1 min per workload.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
