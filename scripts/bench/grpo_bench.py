@@ -130,6 +130,8 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
         def on_step_end(self, *a, **k):
             timeline.mark("iter_end")
 
+    if args.trl_compact_head:
+        compact_fused_head()
     size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
     tokenizer = AutoTokenizer.from_pretrained(folder / "actor", padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(folder / "actor", dtype=torch.float32)
@@ -151,6 +153,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             top_k=0,
             generation_kwargs={"suppress_tokens": [tokenizer.pad_token_id]},  # as lit_rlhf's generate
             beta=GRPO["beta"],
+            use_bias_correction_kl=False,  # lit_rlhf's k3 KL loss is not multiplied by the ratio
             epsilon=GRPO["clip"],
             loss_type="dapo",
             scale_rewards="group",
@@ -173,6 +176,20 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def compact_fused_head() -> None:
+    """--trl-compact-head: TRL >= 1.13's fused LM head (``add_fused_lm_head``, which GRPOTrainer always applies)
+    scores only the completion tokens on the CPU too. It compacts the positions to the valid labels only
+    where ``_use_triton(device)`` (CUDA/XPU with Triton) and elsewhere projects every position, prompt and
+    padding included, through the LM head; no setting turns that off. This patches the private switch of
+    ``trl.trainer.utils``, not the kernel choice (the tiles stay torch ops): a what-if, not a user setting."""
+    import trl
+    import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "_use_triton"):
+        raise SystemExit(f"--trl-compact-head: trl {trl.__version__} has no fused LM head to compact")
+    trl_utils._use_triton = lambda device: True
+
+
 # --trl-vllm colocate: GRPOTrainer's vLLM generation in the trainer process, as a TRL user with vLLM picks it
 # (vLLM must be importable: the vLLM environment with trl on the path, see engine_bench.py)
 TRL_VLLM = {"colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
@@ -183,6 +200,10 @@ def main() -> None:
     parser = bench_parser(__doc__, lit_args=True, precision=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--trl-vllm", choices=sorted(TRL_VLLM), help="TRL generates with vLLM (colocate)")
+    parser.add_argument(
+        "--trl-compact-head", action="store_true",
+        help="what-if: TRL >= 1.13's fused LM head scores the completion tokens only on the CPU (compact_fused_head)",
+    )  # fmt: skip
     args = parser.parse_args()
     set_threads(args.threads)
     import torch

@@ -1,5 +1,6 @@
-"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets of issues 7 and 16)
-and the summary a script reads (:func:`summary`). Pure Python: no torch, no lit_rlhf, no TRL."""
+"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets) of one workload and
+one pair of implementations; the summary over peers is in peers.py. Pure Python: no torch, no lit_rlhf,
+no TRL."""
 
 from __future__ import annotations
 
@@ -83,44 +84,6 @@ def throughput(workload: str, run: dict) -> float:
     if base_workload(workload) in ROLLOUT_WORKLOADS:
         return ppo_run_stats(run)["tok_s"]
     return run["pairs_per_s"]
-
-
-def summary(runs: dict[str, list[tuple[dict, dict]]]) -> dict[str, dict]:
-    """``{workload: {"throughput_ratio", "rss_ratio", ...}}``: medians over the repeat pairs of A/B.
-
-    ``throughput_ratio`` is the median of the per-pair ratios of wall-clock throughput (A / B, > 1 = A
-    faster), ``rss_ratio`` the median of the per-pair peak-RSS ratios (< 1 = A smaller); the min and max
-    of each and the unit are kept beside them.
-    """
-    out = {}
-    for workload, pairs in runs.items():
-        speed = [throughput(workload, a) / throughput(workload, b) for a, b in pairs]
-        rss = [a["peak_rss_mb"] / b["peak_rss_mb"] for a, b in pairs]
-        out[workload] = dict(
-            throughput_ratio=statistics.median(speed),
-            rss_ratio=statistics.median(rss),
-            throughput_ratio_range=[min(speed), max(speed)],
-            rss_ratio_range=[min(rss), max(rss)],
-            throughput_unit=THROUGHPUT_UNITS[base_workload(workload)],
-            repeats=len(pairs),
-        )
-    return out
-
-
-def summary_table(summ: dict[str, dict], a: str, b: str) -> str:
-    lines = [
-        f"### Summary: {a}/{b}, medians over the repeat pairs [min-max]",
-        "",
-        "| workload | throughput ratio | peak RSS ratio | throughput unit |",
-        "| --- | --- | --- | --- |",
-    ]
-    for workload, row in summ.items():
-        (t0, t1), (r0, r1) = row["throughput_ratio_range"], row["rss_ratio_range"]
-        lines.append(
-            f"| {workload} | {row['throughput_ratio']:.2f} [{t0:.2f}-{t1:.2f}] "
-            f"| {row['rss_ratio']:.2f} [{r0:.2f}-{r1:.2f}] | {row['throughput_unit']} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def ppo_table(
@@ -215,19 +178,21 @@ def peak_table(peak: dict, min_speedup: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def precision_speedups(runs: dict[str, list[tuple[dict, dict]]], a: str, b: str) -> str:
+def precision_speedups(runs: dict[str, list[dict[str, dict]]]) -> str:
     """Each implementation's bf16-mixed / float32 throughput per workload with a bf16 row (medians of the
-    runs of each row: the rows are measured at different times, so this ratio is noisier than A/B)."""
+    runs of each row, ``runs`` as compare.py keeps them, one ``{implementation: result}`` per repeat: the
+    rows are measured at different times, so this ratio is noisier than A/B)."""
     lines = []
-    for name, pairs in runs.items():
+    for name, repeats in runs.items():
         base = base_workload(name)
         if name == base or base not in runs:
             continue
         parts = []
-        for side, impl in enumerate((a, b)):
-            bf16 = statistics.median(throughput(base, pair[side]) for pair in pairs)
-            fp32 = statistics.median(throughput(base, pair[side]) for pair in runs[base])
-            parts.append(f"{impl} {bf16 / fp32:.2f}x")
+        for impl in dict.fromkeys(impl for rep in repeats for impl in rep):
+            bf16 = [throughput(base, rep[impl]) for rep in repeats if impl in rep]
+            fp32 = [throughput(base, rep[impl]) for rep in runs[base] if impl in rep]
+            if fp32:
+                parts.append(f"{impl} {statistics.median(bf16) / statistics.median(fp32):.2f}x")
         lines.append(f"- {base}: bf16-mixed / float32 throughput, " + ", ".join(parts))
     return ("### What bf16 buys (same run)\n\n" + "\n".join(lines) + "\n") if lines else ""
 
@@ -262,14 +227,3 @@ def flops_table(peak: dict, run: dict, settings: dict) -> str:
         f"| peak RSS MB | {run['peak_rss_mb']:.0f} | |",
     ]
     return "\n".join(lines) + "\n"
-
-
-def versions_line(results: dict) -> str:
-    """Package versions of each implementation, from its first run."""
-    seen: dict[str, dict] = {}
-    for pairs in results.get("runs", {}).values():
-        for pair in pairs:
-            for side, run in zip(("a", "b"), pair):
-                seen.setdefault(results[side], run.get("versions", {}))
-    parts = [f"{impl}: " + ", ".join(f"{k} {v}" for k, v in vers.items()) for impl, vers in seen.items()]
-    return "versions - " + "; ".join(parts) if parts else ""
