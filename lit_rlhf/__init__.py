@@ -1,4 +1,5 @@
-"""lit_rlhf: RLHF (SFT, reward modelling, PPO, GRPO/RLOO/REINFORCE++, DPO) the PyTorch Lightning way.
+"""lit_rlhf: RLHF (SFT, reward modelling and ensembles, PPO, GRPO/RLOO/REINFORCE++, DPO, online DPO) the
+PyTorch Lightning way.
 
 The public classes are importable from the top level; they are loaded on first access, so
 ``import lit_rlhf`` stays cheap (no torch/transformers import until a class is used)::
@@ -19,6 +20,8 @@ _EXPORTS = {
     "PPOModule": "lit_rlhf.modules",
     "CriticFreeModule": "lit_rlhf.modules",
     "DPOModule": "lit_rlhf.modules",
+    "OnlineDPOModule": "lit_rlhf.modules",
+    "RewardEnsembleModule": "lit_rlhf.modules",
     "WarmupCosineLR": "lit_rlhf.modules",
     "SFTDataModule": "lit_rlhf.data",
     "PreferenceDataModule": "lit_rlhf.data",
@@ -33,7 +36,8 @@ _EXPORTS = {
 }
 
 __all__ = [  # noqa: RUF022 (grouped like _EXPORTS)
-    "SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "WarmupCosineLR",
+    "SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "OnlineDPOModule",
+    "RewardEnsembleModule", "WarmupCosineLR",
     "SFTDataModule", "PreferenceDataModule", "PromptDataModule", "DataFormatError",
     "ModelSpec", "HFExport", "PeakMemory", "RolloutProgressBar", "LitProgressBar", "GenerationSettings",
 ]  # fmt: skip
@@ -45,7 +49,9 @@ if TYPE_CHECKING:
     from lit_rlhf.modules import (
         CriticFreeModule,
         DPOModule,
+        OnlineDPOModule,
         PPOModule,
+        RewardEnsembleModule,
         RewardModelModule,
         SFTModule,
         WarmupCosineLR,

@@ -1,10 +1,13 @@
-"""Where sequence scores come from: a reward model, a ``module:function`` rule, or weighted rule functions.
+"""Where sequence scores come from: a reward model, a reward-model ensemble, a ``module:function`` rule, or
+weighted rule functions.
 
 Used by every online-RL module, for the optimised reward and for the monitor reward that is only logged.
 ``reward_fn`` is one ``package.module:function`` or a list of :class:`RewardTerm` (``{fn, weight, name,
 kwargs}``): the score is then the weighted sum of the functions' scores
 (:func:`lit_rlhf.functional.weighted_reward_sum`) and each function's raw score is returned by name, for the
-modules to log. Each function may take either calling form of :mod:`lit_rlhf.reward_fns`.
+modules to log. Each function may take either calling form of :mod:`lit_rlhf.reward_fns`. A reward-model
+ensemble (:mod:`lit_rlhf.ensembles`) scores with every member and aggregates; each member's raw score is
+returned by name (``member_<k>``) the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import torch
 
 from lit_rlhf import functional as F
 from lit_rlhf.batching import MicroBatch, scatter_rows
-from lit_rlhf.models import build_score_model, chunked, frozen_copy, load_tokenizer, reward_model_scores
+from lit_rlhf.ensembles import RewardEnsemble, check_member_tokenizers
+from lit_rlhf.models import (
+    ModelSpec,
+    build_score_model,
+    chunked,
+    frozen_copy,
+    load_tokenizer,
+    reward_model_scores,
+)
 from lit_rlhf.reward_fns import RewardFn, call_reward_fn, import_reward_fn, reward_call, reward_scores
 from lit_rlhf.settings import Settings
 
@@ -94,14 +105,19 @@ def reward_terms(value: Any, argument: str = "reward_fn") -> list[RewardTerm]:
 
 
 class RewardSource(torch.nn.Module):
-    """Sequence scores from a reward model (scalar head at the last real token) or Python functions.
+    """Sequence scores from a reward model (scalar head at the last real token), an ensemble of them, or
+    Python functions.
 
     A reward model that shares the actor's tokenizer scores the token ids directly; one with another
     vocabulary gets the decoded text re-tokenised with its own tokenizer. Functions get the decoded prompts
-    and responses, the responses' token ids and the prompt rows' other columns (``columns``).
+    and responses, the responses' token ids and the prompt rows' other columns (``columns``). An ensemble's
+    members (``members``, frozen; one tokenizer for all) each score every response; the score is their
+    aggregate (``functional.aggregate_ensemble``). Under FSDP an ensemble's members are not sharded (each
+    rank holds them whole); a single reward model is (``rewards.model``).
 
     Args:
-        reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), or None.
+        reward_model: spec of a reward model (e.g. an exported RewardModelModule folder), a
+            :class:`~lit_rlhf.ensembles.RewardEnsemble`, or None.
         reward_fn: ``package.module:function``, a list of :class:`RewardTerm` (or dicts of their fields, or
             ``module:function`` strings of weight 1) whose weighted sum is the score, or None.
         tokenizer: the actor's tokenizer.
@@ -134,13 +150,42 @@ class RewardSource(torch.nn.Module):
             self.description = f"{argument} [{', '.join(f'{t.name} x {t.weight:g}' for t in self.terms)}]"
         # ``reward_fn`` as plain values, as the hyper-parameters store it
         self.config_value = [t.as_dict() for t in self.terms] if self.terms else reward_fn
-        self.model = None
+        self.model, self.members, self.ensemble = None, None, None
         self.model_tokenizer = None
-        if reward_model is not None:
+        # the spec a PPO critic starts from: the reward model's, or an ensemble's first member's
+        self.model_spec: ModelSpec | None = None
+        if isinstance(reward_model, RewardEnsemble):
+            model_tokenizer = self.build_ensemble(reward_model)
+        elif reward_model is not None:
             model_tokenizer = load_tokenizer(reward_model.tokenizer or reward_model.name_or_path)
             self.model = frozen_copy(build_score_model(reward_model, model_tokenizer))
-            if model_tokenizer.get_vocab() != tokenizer.get_vocab():
-                self.model_tokenizer = model_tokenizer
+            self.model_spec = reward_model
+        if reward_model is not None and model_tokenizer.get_vocab() != tokenizer.get_vocab():
+            self.model_tokenizer = model_tokenizer
+
+    def build_ensemble(self, ensemble: RewardEnsemble) -> Any:
+        """Build the ensemble's frozen members (``members``); returns their (one) tokenizer."""
+        self.ensemble = ensemble.resolve()
+        members = self.ensemble.members
+        tokenizers = [load_tokenizer(m.tokenizer_name_or_path) for m in members]
+        check_member_tokenizers(tokenizers, members)
+        self.members = torch.nn.ModuleList(
+            frozen_copy(build_score_model(m, tok)) for m, tok in zip(members, tokenizers)
+        )
+        self.model_spec = members[0]
+        coef = "" if self.ensemble.aggregation in ("mean", "min") else f", coef {self.ensemble.coef:g}"
+        self.description = (
+            f"reward_model ensemble of {len(members)} ({self.ensemble.aggregation}{coef}) {self.ensemble.source}"
+        )
+        return tokenizers[0]
+
+    @property
+    def part_names(self) -> list[str]:
+        """The names of the raw scores :meth:`score_terms` returns beside the score: each function of a
+        ``reward_fn`` list, or each member of an ensemble (``member_<k>``); empty otherwise."""
+        if self.members is not None:
+            return [f"member_{k}" for k in range(len(self.members))]
+        return [term.name for term in self.terms]
 
     def decode_responses(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         return [
@@ -168,17 +213,21 @@ class RewardSource(torch.nn.Module):
         chunk_size: int | Sequence[MicroBatch],
         columns: Mapping[str, list] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(B, P+T) prompt+response sequences -> (B,) float32 scores, and each term's (B,) raw scores by name
-        (empty unless ``reward_fn`` is a list).
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores, and each part's (B,) raw scores by name
+        (:attr:`part_names`: each function of a ``reward_fn`` list, each member of an ensemble; else empty).
 
         ``chunk_size``: rows per reward-model forward, or the (rows, columns, t) micro-batches of
         ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed). ``columns``: the prompt
         rows' other columns for the functions, each a list of B values (a prompt's K rows repeated).
         """
+        if self.members is not None:
+            scores = self.model_scores(input_ids, attention_mask, response_length, chunk_size)  # (K, B)
+            total = F.aggregate_ensemble(scores, self.ensemble.aggregation, self.ensemble.coef)  # (B,)
+            return total, dict(zip(self.part_names, scores))
         if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
             return torch.zeros(input_ids.shape[0], device=input_ids.device), {}
         if self.fn is None and not self.terms:
-            return self.model_scores(input_ids, attention_mask, response_length, chunk_size), {}
+            return self.model_scores(input_ids, attention_mask, response_length, chunk_size)[0], {}
         n, device = input_ids.shape[0], input_ids.device
         for key, values in (columns or {}).items():
             if len(values) != n:
@@ -208,7 +257,8 @@ class RewardSource(torch.nn.Module):
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
     ) -> torch.Tensor:
-        """(B,) float32 scores of the reward model, in micro-batches (see :meth:`score_terms`)."""
+        """(M, B) float32 scores of the M reward models (one, or an ensemble's members), in micro-batches (see
+        :meth:`score_terms`)."""
         if self.model_tokenizer is not None:
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
             responses = self.decode_responses(
@@ -223,8 +273,12 @@ class RewardSource(torch.nn.Module):
         else:  # re-tokenised rows have their own columns
             retokenised = self.model_tokenizer is not None
             batches = [(rows, slice(None) if retokenised else columns) for rows, columns, _ in chunk_size]
+        models = [self.model] if self.members is None else list(self.members)
         parts = [
-            reward_model_scores(self.model, input_ids[rows][:, columns], attention_mask[rows][:, columns])
+            torch.stack(
+                [reward_model_scores(m, input_ids[rows][:, columns], attention_mask[rows][:, columns]) for m in models],
+                dim=1,
+            )  # (b, M)
             for rows, columns in batches
         ]
-        return scatter_rows(parts, [rows for rows, _ in batches], n)
+        return scatter_rows(parts, [rows for rows, _ in batches], n).T  # (M, B)

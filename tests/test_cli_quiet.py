@@ -72,8 +72,9 @@ def exports(workdir) -> Path:
         ("ppo", "kl_ref"),
         pytest.param("grpo", "kl_ref", marks=pytest.mark.slow),  # ~20 s each on 2 shared cores
         pytest.param("dpo", "rewards/accuracies", marks=pytest.mark.slow),
+        pytest.param("online_dpo", "kl_ref", marks=pytest.mark.slow),
     ],
-    ids=["ppo", "grpo", "dpo"],
+    ids=["ppo", "grpo", "dpo", "online_dpo"],
 )
 def test_online_and_dpo_tiny_configs_validate_and_test(exports, name, metric):
     config = str(ROOT / f"configs/{name}_tiny.yaml")
@@ -94,7 +95,8 @@ def test_cli_model_choices_hide_internal_bases():
     import lit_rlhf.modules  # noqa: F401  (imports the bases too)
 
     choices = get_all_subclass_paths(pl.LightningModule)  # what --model offers (shortest import paths)
-    public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule")
+    public = ("SFTModule", "RewardModelModule", "PPOModule", "CriticFreeModule", "DPOModule", "OnlineDPOModule",
+              "RewardEnsembleModule")  # fmt: skip
     assert {f"lit_rlhf.{name}" for name in public} <= set(choices)
     internal = (
         "SingleModelModule", "OnlineRLModule", "OnlineBookkeeping", "OnlineEvaluation", "OnlineUpdate", "RolloutScoring",

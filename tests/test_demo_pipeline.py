@@ -24,7 +24,7 @@ ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_mee
 # A second algorithm for the side-by-side: PPO's own config under another name (same settings and seeds,
 # so its figures must equal PPO's: the stages are deterministic in their own processes).
 PPO_COPY = pipeline.Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), config="ppo")
-ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo", "--seeds", "2", "--threads", "1"]
+ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_small_pipeline_writes_the_report(small_run):
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
-    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1"}
+    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo",
+            "online_dpo_seed1"}  # fmt: skip
     stages_run = summary["wall_s_per_stage"]
     assert set(stages_run) == {"assets", "sft", "rm", "rm_weak", "ppo_overoptimize", "evaluate", "report"} | runs
     assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
@@ -58,8 +59,9 @@ def test_small_pipeline_writes_the_report(small_run):
     assert summary["ppo_kl_target"] == stages.load_config("ppo", out, small=True)["model"]["init_args"]["kl"]["target"]
     assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
     assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
+    assert summary["machine"]["threads"] == 1 and summary["machine"]["cpu"]  # the CPU the figures are from
     report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
-    for name in ("ppo", "ppo_copy", "grpo", "dpo"):
+    for name in ("ppo", "ppo_copy", "grpo", "dpo", "online_dpo"):
         assert f"| {name} | 0,1 |" in report_md, name
     assert "2 training seeds per algorithm" in report_md
     # the best-of-n frontier of the SFT policy: n = 1, 2, 4, 8 at the analytic KL, gold never below n = 1's
@@ -75,7 +77,7 @@ def test_small_pipeline_writes_the_report(small_run):
 
 def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
     out, summary, _ = small_run
-    assert list(summary["algorithms"]) == ["ppo", "ppo_copy", "grpo", "dpo"]
+    assert list(summary["algorithms"]) == ["ppo", "ppo_copy", "grpo", "dpo", "online_dpo"]
     for name, entry in summary["algorithms"].items():
         assert set(entry) == ALGORITHM_KEYS, name
         assert [s["seed"] for s in entry["seeds"]] == [0, 1]
@@ -107,9 +109,9 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     _, first, again = small_run
     assert set(again["reused_stages"]) == {
         "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
-        "rm_weak", "ppo_overoptimize",
+        "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize",
     }  # fmt: skip
-    for name in ("ppo", "ppo_copy", "grpo", "dpo"):
+    for name in ("ppo", "ppo_copy", "grpo", "dpo", "online_dpo"):
         assert again["algorithms"][name]["seeds"] == [
             {**seed, "reused": True} for seed in first["algorithms"][name]["seeds"]
         ]

@@ -1,4 +1,4 @@
-"""Exact resume of SFT and RM from every kind of checkpoint, against the uninterrupted run.
+"""Exact resume of SFT, RM and a reward-model ensemble from every kind of checkpoint, against the uninterrupted run.
 
 Constant learning rate and no dropout: the schedule's length then does not depend on the limit (so a
 resume with a larger limit can be compared), and no RNG state outside the checkpoint matters.
@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_rlhf.data import PreferenceDataModule, SFTDataModule
 from lit_rlhf.models import ModelSpec
-from lit_rlhf.modules import RewardModelModule, SFTModule
+from lit_rlhf.modules import RewardEnsembleModule, RewardModelModule, SFTModule
 
 TINY = {
     "model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128,
@@ -33,10 +33,10 @@ def make(kind: str, tiny: Path):
             SFTModule(spec, optimizer=opt, scheduler=None, num_samples=0),
             SFTDataModule(f"{tiny}/tokenizer", f"{tiny}/sft.jsonl", **kw),
         )
-    return (
-        RewardModelModule(spec, optimizer=opt, scheduler=None),
-        PreferenceDataModule(f"{tiny}/tokenizer", f"{tiny}/prefs.jsonl", **kw),
-    )
+    data = PreferenceDataModule(f"{tiny}/tokenizer", f"{tiny}/prefs.jsonl", **kw)
+    if kind == "ensemble":  # three members, each on its own bootstrap resample of the pairs
+        return RewardEnsembleModule(spec, num_members=3, bootstrap=True, optimizer=opt, scheduler=None), data
+    return RewardModelModule(spec, optimizer=opt, scheduler=None), data
 
 
 def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None):
@@ -103,3 +103,13 @@ def test_checkpoint_without_metric_states_still_resumes(uninterrupted, tiny_data
     torch.save(state, tmp_path / "old.ckpt")
     trainer, _ = fit(kind, tiny_data_dir, tmp_path, 3, ckpt_path=tmp_path / "old.ckpt")
     assert trainer.global_step == 3 * STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize("name", ["steps/epoch=0-step=4.ckpt", "epochs/epoch=0-step=5.ckpt"])
+def test_reward_ensemble_resume_matches_uninterrupted(name, tiny_data_dir, tmp_path):
+    # mid-epoch and end-of-epoch checkpoints of 2 epochs; the members' bootstrap counts depend on the pair only
+    trainer, full = fit("ensemble", tiny_data_dir, tmp_path / "full", 2)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    _, resumed = fit("ensemble", tiny_data_dir, tmp_path / "resumed", 2, ckpt_path=tmp_path / "full" / "ckpt" / name)
+    assert_same_weights(full, resumed)
+    assert not torch.equal(full.model[0].score.weight, full.model[1].score.weight)

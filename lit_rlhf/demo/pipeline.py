@@ -84,6 +84,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "rloo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
     "reinforce_pp": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
     "dpo": Algorithm(policy_subdir="", policy_attribute="model", online=False, curve_every=10),
+    "online_dpo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
 }
 # `make demo` (under 15 min from a fresh clone on an idle 2-core CPU): PPO, GRPO and DPO; the rest by flag.
 DEFAULT_ALGORITHMS = ("ppo", "grpo", "dpo")

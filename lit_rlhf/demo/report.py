@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lit_rlhf.demo import compare, frontier
 from lit_rlhf.demo.curves import KL_BUDGET
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
@@ -153,6 +155,26 @@ def _table(results: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
+    hence the demo's figures, moves with each of them)."""
+    import platform
+
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__}  # fmt: skip
+
+
 def write_report(
     out: Path,
     *,
@@ -198,6 +220,7 @@ def write_report(
         "algorithms": algorithms,
         "n_seeds": len(next(iter(algorithm_runs.values()))),
         "max_response_tokens": manifest["max_response_tokens"],
+        "machine": machine(),
         "wall_s": time.perf_counter() - start_time,
         "wall_s_per_stage": wall,
         "reused_stages": [name for name, run in runs.items() if run.reused],
@@ -283,6 +306,8 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
         f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
         f" {summary['rm_val_label_accuracy']:.3f}).",
+        f"- Measured on {summary['machine']['cpu']} with {summary['machine']['threads']} torch threads"
+        f" (torch {summary['machine']['torch']}, transformers {summary['machine']['transformers']}).",
         f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
         " pipeline checks every online config's max_new_tokens against it).",
     ]
@@ -308,6 +333,7 @@ def console_summary(summary: dict) -> str:
         "",
         "=" * 78,
         "lit_rlhf demo summary",
+        f"  machine                        {summary['machine']['cpu']}, {summary['machine']['threads']} threads",
         f"  RM held-out accuracy vs gold   {summary['rm_val_accuracy']:.3f}",
         f"  SFT gold {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f},"
         f" grammatical {summary['sft_grammatical_rate']:.3f}",

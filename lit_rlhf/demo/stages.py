@@ -57,6 +57,7 @@ SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
     "grpo": _TINY_GROUP,
     "rloo": _TINY_GROUP,
     "reinforce_pp": _TINY_PPO,
+    "online_dpo": _TINY_GROUP,
     "dpo": {  # 2 optimiser steps: its gold curve has as many points as the online miniatures'
         "trainer": {**_TINY_TRAINER, "max_steps": 2},
         "model": {"init_args": {"num_samples": 2}},

@@ -16,6 +16,12 @@ from lit_rlhf.functional.advantages import (
     sequence_advantages,
 )
 from lit_rlhf.functional.behavior import BEHAVIOR_MISMATCH_STATS, behavior_mismatch_stats
+from lit_rlhf.functional.ensembles import (
+    ENSEMBLE_AGGREGATIONS,
+    aggregate_ensemble,
+    ensemble_std,
+    poisson_bootstrap_weights,
+)
 from lit_rlhf.functional.is_correction import (
     IS_CORRECTION_STATS,
     band_weights,
@@ -49,7 +55,7 @@ from lit_rlhf.functional.losses import (
     ppo_policy_loss,
     reference_kl_loss,
 )
-from lit_rlhf.functional.preference import DPO_LOSS_TYPES, dpo_loss
+from lit_rlhf.functional.preference import DPO_LOSS_TYPES, best_worst_pairs, dpo_loss
 from lit_rlhf.functional.registry import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -98,6 +104,11 @@ __all__ = [
     "SEQUENCE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "DPO_LOSS_TYPES",
+    "ENSEMBLE_AGGREGATIONS",
+    "aggregate_ensemble",
+    "best_worst_pairs",
+    "ensemble_std",
+    "poisson_bootstrap_weights",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",

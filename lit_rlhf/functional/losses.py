@@ -104,9 +104,10 @@ def aggregation_weight(
     Returns:
         scalar tensor: masked tokens of the part / of the minibatch, or rows of the part / of the minibatch.
     """
+    # float32 whatever the default dtype (Lightning's bf16-true makes it bfloat16 inside training_step)
     if loss_aggregation == "token_mean":
-        return part_mask.sum() / total_mask.sum()
-    return torch.tensor(part_mask.shape[0] / total_mask.shape[0], device=part_mask.device)
+        return part_mask.sum().float() / total_mask.sum().float()
+    return torch.tensor(part_mask.shape[0] / total_mask.shape[0], dtype=torch.float32, device=part_mask.device)
 
 
 def ppo_policy_loss(
@@ -331,26 +332,38 @@ def pairwise_reward_loss(
     chosen_scores: torch.Tensor,
     rejected_scores: torch.Tensor,
     margin: torch.Tensor | float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bradley-Terry loss -log sigmoid(chosen - rejected - margin), averaged over the pairs.
 
     The reward-model loss of InstructGPT (Ouyang et al. 2022, arXiv 2203.02155, eq. 1) on one pair per
     comparison. The optional margin is the Llama 2 reward-model margin (Touvron et al. 2023, arXiv
-    2307.09288, sec. 3.2.2): a pair must be won by at least ``margin``.
+    2307.09288, sec. 3.2.2): a pair must be won by at least ``margin``. With ``weights`` w (e.g. the
+    bootstrap counts of ``poisson_bootstrap_weights``) the average is weighted: sum(w * l) / sum(w), 0 when
+    every weight is 0 (a pair of weight 2 counts as two copies of it).
 
     Args:
         chosen_scores: (B,) reward-model scores of the chosen responses.
         rejected_scores: (B,) scores of the rejected responses.
         margin: None, a float, or (B,) per-pair margins.
+        weights: None, or (B,) non-negative weights of the pairs.
 
     Returns:
         (loss, stats): float32; stats has ``accuracy`` (share of pairs with chosen > rejected, margin
-        ignored) and ``margin_mean`` (mean of chosen - rejected).
+        ignored) and ``margin_mean`` (mean of chosen - rejected), unweighted.
     """
     check_same_shape("pairwise_reward_loss", chosen_scores=chosen_scores, rejected_scores=rejected_scores)
-    diff = as_float(chosen_scores) - as_float(rejected_scores)
-    logits = diff if margin is None else diff - (as_float(margin) if torch.is_tensor(margin) else margin)
-    loss = -F.logsigmoid(logits).mean()
+    diff = as_float(chosen_scores) - as_float(rejected_scores)  # (B,)
+    logits = diff if margin is None else diff - (as_float(margin) if torch.is_tensor(margin) else margin)  # (B,)
+    losses = -F.logsigmoid(logits)  # (B,)
+    if weights is None:
+        loss = losses.mean()
+    else:
+        check_same_shape("pairwise_reward_loss", chosen_scores=chosen_scores, weights=weights)
+        if bool((weights < 0).any()):
+            raise ValueError("pairwise_reward_loss: `weights` must be >= 0")
+        weights = as_float(weights)  # (B,)
+        loss = (weights * losses).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
     stats = {"accuracy": (diff > 0).float().mean().detach(), "margin_mean": diff.mean().detach()}
     return loss, stats
 

@@ -1,7 +1,8 @@
-"""Offline preference losses on sequence log-probs of (chosen, rejected) pairs: DPO, conservative DPO, IPO,
-SimPO. Returns ``(loss, stats)`` as every loss of :mod:`lit_rlhf.functional.losses`.
+"""Preference losses on sequence log-probs of (chosen, rejected) pairs: DPO, conservative DPO, IPO, SimPO
+(``(loss, stats)`` as every loss of :mod:`lit_rlhf.functional.losses`), and the pairs of online DPO: the
+best and the worst of each prompt's sampled responses.
 
-Shapes: B pairs.
+Shapes: B pairs (``dpo_loss``); B = G * K rollout rows, G prompts of K responses (``best_worst_pairs``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_rlhf.functional._checks import as_float, check_number, check_same_shape
+from lit_rlhf.functional.stats import as_groups
 
-__all__ = ["DPO_LOSS_TYPES", "dpo_loss"]
+__all__ = ["DPO_LOSS_TYPES", "best_worst_pairs", "dpo_loss"]
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
@@ -140,3 +142,45 @@ def _dpo_stats(
         "logps/chosen": as_float(policy_chosen_logps).detach().mean(),
         "logps/rejected": as_float(policy_rejected_logps).detach().mean(),
     }
+
+
+def best_worst_pairs(
+    scores: torch.Tensor, group_size: int, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The online preference pair of each prompt: its best-scored response (chosen) and its worst (rejected).
+
+    Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", arXiv
+    2402.04792, Algorithm 1) samples two responses per prompt from the current policy and lets the
+    annotator (here the scores of a reward model, an ensemble or a function) pick the preferred one; with
+    K > 2 samples the pair is the best and the worst of the K, as in online iterative DPO (Dong et al.
+    2024, "RLHF Workflow", arXiv 2405.07863). A prompt whose best and worst kept scores
+    are equal (a tie), or with fewer than two kept responses, has no pair: it must give no gradient.
+    Among equal best (or worst) scores the first response is taken.
+
+    Args:
+        scores: (B,) sequence scores, each prompt's K = ``group_size`` responses contiguous.
+        group_size: K >= 2.
+        keep: (B,) bool, False for rows that may not be chosen or rejected (dropped non-finite scores);
+            None = every row.
+
+    Returns:
+        (chosen, rejected, paired): (G,) long rollout rows g*K + k of each prompt's chosen and rejected
+        response, and (G,) bool, whether the prompt has a pair (where False, chosen and rejected are
+        its first row and carry no meaning).
+    """
+    fn = "best_worst_pairs"
+    if group_size < 2:
+        raise ValueError(f"{fn}: `group_size` must be >= 2 (a pair needs two responses), got {group_size}")
+    grouped = as_groups(scores, group_size, fn)  # (G, K)
+    if keep is not None and keep.shape != scores.shape:
+        raise ValueError(f"{fn}: `keep` has shape {tuple(keep.shape)} but `scores` has {tuple(scores.shape)}")
+    kept = torch.ones_like(grouped, dtype=torch.bool) if keep is None else keep.view(-1, group_size).bool()  # (G, K)
+    best = torch.where(kept, grouped, -torch.inf).argmax(dim=1)  # (G,) first maximum among kept rows
+    worst = torch.where(kept, grouped, torch.inf).argmin(dim=1)  # (G,) first minimum among kept rows
+    high = grouped.gather(1, best[:, None]).squeeze(1)  # (G,)
+    low = grouped.gather(1, worst[:, None]).squeeze(1)  # (G,)
+    paired = (kept.sum(dim=1) >= 2) & (high > low)  # (G,) NaN compares False: no pair
+    offsets = torch.arange(grouped.shape[0], device=scores.device) * group_size  # (G,)
+    chosen = torch.where(paired, offsets + best, offsets)  # (G,)
+    rejected = torch.where(paired, offsets + worst, offsets)  # (G,)
+    return chosen, rejected, paired

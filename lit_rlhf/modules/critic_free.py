@@ -188,7 +188,7 @@ class CriticFreeModule(OnlineRLModule):
     @override
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         metrics = super().schedule_metrics()
-        metrics["lr_actor"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
+        metrics["lr_actor"] = torch.tensor(self.optimizers().param_groups[0]["lr"], dtype=torch.float32)
         return metrics
 
     @override

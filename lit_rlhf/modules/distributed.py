@@ -22,7 +22,9 @@ from typing import Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lit_rlhf.models import ModelSpec
@@ -194,8 +196,30 @@ def clip_grad_norm(
     """
     if strategy_kind(_trainer(module)) == "fsdp1":
         model.clip_grad_norm_(max_norm)
-    else:
+    elif not clip_without_scaler(module, optimizer, max_norm):
         module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+
+def clip_without_scaler(
+    module: LightningModule,
+    optimizer: torch.optim.Optimizer,
+    clip_val: float | None,
+    algorithm: str | None = None,
+) -> bool:
+    """Clip ``optimizer``'s gradients (by ``algorithm``, default norm) under a mixed precision without a
+    gradient scaler (``bf16-mixed``); returns whether it did (False: another precision, left to Lightning).
+
+    Lightning's ``MixedPrecision.clip_gradients`` refuses every optimiser that unscales gradients in its own
+    step (``_step_supports_amp_scaling``: fused AdamW, the default optimiser of the modules here) under
+    ``16-mixed`` and ``bf16-mixed`` alike, but only ``16-mixed`` has a gradient scaler whose unscaling
+    that step would skip: under ``bf16-mixed`` the gradients are the true ones, clipped as under ``32-true``.
+    """
+    trainer = _trainer(module)
+    plugin = None if trainer is None else trainer.precision_plugin
+    if not isinstance(plugin, MixedPrecision) or plugin.scaler is not None:
+        return False
+    Precision.clip_gradients(plugin, optimizer, clip_val or 0.0, GradClipAlgorithmType(algorithm or "norm"))
+    return True
 
 
 def gather_for_export(module: LightningModule, model: nn.Module) -> nn.Module | None:

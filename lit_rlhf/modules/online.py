@@ -29,6 +29,7 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.engines import ENGINE_STATS, RolloutEngine, build_engine, engine_hparams
+from lit_rlhf.ensembles import RewardEnsemble, coerce_reward_model
 from lit_rlhf.environments import EPISODE_METRICS, EnvironmentSettings, import_environment
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
@@ -63,7 +64,7 @@ from lit_rlhf.settings import Settings
 
 ROLLOUT_METRICS = (
     "score", "reward", "kl_ref", "response_length", "eos_rate", "entropy", "monitor_score",
-    "group_score_std", "group_all_equal_frac", "nonfinite_scores", *F.BEHAVIOR_MISMATCH_STATS,
+    "group_score_std", "group_all_equal_frac", "nonfinite_scores", "ensemble_std", *F.BEHAVIOR_MISMATCH_STATS,
     *(f"engine_{name}" for name in ENGINE_STATS),
     *F.IS_CORRECTION_STATS, *EPISODE_METRICS,
 )  # fmt: skip
@@ -94,8 +95,11 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         reference: the reference policy of the KL; None = the initial actor (a frozen copy, or for a LoRA
             actor the actor with its adapters disabled: no second copy).
-        reward_model: reward model spec or exported folder (``name_or_path``); exclusive with reward_fn
-            (with an ``environment`` both may be None: its rewards are the score).
+        reward_model: reward model spec or exported folder (``name_or_path``), or a reward-model ensemble:
+            an exported ensemble folder or ``{ensemble: [...] | folder, aggregation, coef}``
+            (``lit_rlhf.ensembles``; each member's score logged as ``rollout/reward/member_<k>``, their
+            spread as ``rollout/ensemble_std``); exclusive with reward_fn (with an ``environment`` both may
+            be None: its rewards are the score).
         reward_fn: ``package.module:function`` scoring the responses (this project's ``fn(prompts, responses,
             **columns)`` or TRL's ``fn(completions, **kwargs)``, see ``lit_rlhf.reward_fns``), or a list of
             ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``; a plain ``module:function`` has
@@ -143,7 +147,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         *,
         actor: ModelSpec | dict | str,
         reference: ModelSpec | dict | str | None = None,
-        reward_model: ModelSpec | dict | str | None = None,
+        reward_model: ModelSpec | RewardEnsemble | dict | str | None = None,
         reward_fn: str | list[RewardTerm | dict | str] | None = None,
         monitor_reward_fn: str | None = None,
         engine: RolloutEngine | dict | str | None = None,
@@ -219,8 +223,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
                 self.reference = frozen_copy(build_causal_lm(ModelSpec.coerce(reference, "reference"), self.tokenizer))
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
-            reward_spec = None if reward_model is None else ModelSpec.coerce(reward_model, "reward_model")
-            self.rewards = RewardSource(reward_spec, reward_fn, self.tokenizer)
+            self.rewards = RewardSource(coerce_reward_model(reward_model), reward_fn, self.tokenizer)
             self.monitor = (
                 None
                 if monitor_reward_fn is None

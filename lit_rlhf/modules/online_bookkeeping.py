@@ -107,7 +107,7 @@ class OnlineBookkeeping(LightningModule):
 
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         """Per-rollout values of the controllers and learning rates (without prefix)."""
-        return {"kl_coef": torch.tensor(self.kl_ctl.value)}
+        return {"kl_coef": torch.tensor(self.kl_ctl.value, dtype=torch.float32)}
 
     def finish_rollout(self, prompts, responses, response_mask, scores) -> None:
         """Log the rollout's metrics and (every ``log_samples_every`` rollouts) a sample table; count it."""

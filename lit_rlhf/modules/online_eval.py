@@ -33,6 +33,7 @@ from lit_rlhf import functional as F
 from lit_rlhf.batching import scatter_rows
 from lit_rlhf.models import policy_forward
 from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.online_scoring import ensemble_spread
 from lit_rlhf.modules.samples import log_text_table, logger_step
 
 EVAL_METRICS = ("score", "monitor_score", "kl_ref", "response_length", "eos_rate", "entropy")
@@ -160,11 +161,14 @@ class OnlineEvaluation(LightningModule):
         if sample.episodes is not None:
             metrics.update(sample.episodes.metrics())
         sizes = {"score": int(keep.sum())}
-        for name, values in terms.items():  # a reward_fn list: each function's raw score
+        for name, values in terms.items():  # a reward_fn list's functions, an ensemble's members
             finite = torch.isfinite(values)  # (B,)
             metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
             self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum",
                      sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
+        spread, count = ensemble_spread(terms) if self.rewards.members is not None else (None, 0)
+        if count:  # an ensemble: its members' spread over the responses they all scored finitely
+            metrics["ensemble_std"], sizes["ensemble_std"] = spread, int(count)
         if self.monitor is not None:
             monitor = self.monitor.score(input_ids, attention_mask, T, batches, columns)  # (B,)
             monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)

@@ -159,9 +159,11 @@ class RolloutScoring(LightningModule):
         source's scores (which are 0 when the module has only an environment).
 
         ``columns``: the prompt rows' other columns for the reward functions, one value per rollout row
-        (``Sample.columns``). A ``reward_fn`` list's raw score of each function is logged as
-        ``rollout/reward/<name>`` (the mean of its finite scores) and ``rollout/reward_nonfinite/<name>``
-        (its NaN/inf scores over all ranks, e.g. unparseable gold answers).
+        (``Sample.columns``). A ``reward_fn`` list's raw score of each function (an ensemble's of each
+        member) is logged as ``rollout/reward/<name>`` (the mean of its finite scores) and
+        ``rollout/reward_nonfinite/<name>`` (its NaN/inf scores over all ranks, e.g. unparseable gold
+        answers); an ensemble's spread as ``rollout/ensemble_std`` (the mean over responses of the members'
+        standard deviation, ``functional.ensemble_std``).
 
         Every score (reward model or function, and the monitor) is screened by ``on_nonfinite``: under
         ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
@@ -178,6 +180,9 @@ class RolloutScoring(LightningModule):
         if env_scores is not None:
             scores = scores + env_scores  # (B,)
         self.log_reward_terms(terms)
+        if self.rewards.members is not None:
+            spread, count = ensemble_spread(terms)
+            self.rollout_metrics.update({"ensemble_std": spread}, weight=count)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
         if self.monitor is not None:
@@ -187,8 +192,9 @@ class RolloutScoring(LightningModule):
         return scores, keep
 
     def reward_term_metrics(self) -> list[str]:
-        """The rollout metrics of a ``reward_fn`` list (none for one function or a reward model)."""
-        names = [term.name for term in self.rewards.terms]
+        """The rollout metrics of a ``reward_fn`` list's functions or an ensemble's members (none for one
+        function or one reward model)."""
+        names = self.rewards.part_names
         return [f"reward/{n}" for n in names] + [f"reward_nonfinite/{n}" for n in names]
 
     def log_reward_terms(self, terms: dict[str, torch.Tensor]) -> None:
@@ -264,3 +270,13 @@ class RolloutScoring(LightningModule):
         if scoring.score_clip is not None:
             scores = scores.clamp(-scoring.score_clip, scoring.score_clip)
         return scores
+
+
+def ensemble_spread(members: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """The mean over responses of an ensemble's spread (``functional.ensemble_std`` of the members' (B,)
+    scores by name), over the responses every member scored finitely, and their count."""
+    scores = torch.stack(list(members.values()))  # (K, B)
+    finite = torch.isfinite(scores).all(dim=0)  # (B,)
+    spread = F.ensemble_std(torch.where(finite, scores, 0.0))  # (B,)
+    count = finite.sum()
+    return torch.where(finite, spread, 0.0).sum() / count.clamp(min=1), float(count)

@@ -76,18 +76,22 @@ class OnlineUpdate(LightningModule):
     def accumulate_minibatch(self, loss_fn: LossFn, mb: Rollout) -> dict[str, torch.Tensor]:
         """Backward of one minibatch's loss, micro-batch by micro-batch; returns its weighted stats."""
         stats: dict[str, torch.Tensor] = {}
-        aggregation = self.update.loss_aggregation
         # a prompt's K rows stay in one micro-batch when the buffer keeps groups (shared-prompt layout)
         T, K = mb.response_mask.shape[1], self.buffer.group_size
         for rows, columns, t in self.micro_batches(mb.attention_mask, T, K):
             part = mb.select(rows).crop(columns, t)
-            weight = F.aggregation_weight(part.loss_mask, mb.loss_mask, aggregation)
+            weight = self.micro_batch_weight(part, mb)
             loss, part_stats = loss_fn(part)
             self.check_stats(part_stats)
             self.step_guard.observe_loss(loss)
             self.manual_backward(loss * weight)
             accumulate_stats(stats, part_stats, weight)
         return stats
+
+    def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:
+        """The share of micro-batch ``part`` in minibatch ``mb``'s loss (``functional.aggregation_weight`` under
+        ``update.loss_aggregation``); a loss that is a mean over other units (online DPO's pairs) overrides it."""
+        return F.aggregation_weight(part.loss_mask, mb.loss_mask, self.update.loss_aggregation)
 
     def check_stats(self, stats: dict[str, torch.Tensor]) -> None:
         """The loss returned the stats the update loop reads and only declared ones (``loss_stats``)."""

@@ -46,8 +46,8 @@ class PPOModule(OnlineRLModule):
     Args:
         actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         critic: critic spec; None starts it from the reward model (its value head on the reward model's
-            backbone, as InstructGPT does), or from the actor's backbone with a fresh head when rewards come
-            from a function.
+            backbone, as InstructGPT does; an ensemble's first member), or from the actor's backbone with a
+            fresh head when rewards come from a function.
         share_critic_backbone: a value head on the actor's backbone instead of a separate critic.
         update: the update phase (``PPOUpdate``: epochs, minibatches, clip ranges, loss aggregation, entropy
             bonus, gradient clip, ratio threshold, ``policy_loss`` clip or kl_penalty, value loss, and
@@ -88,7 +88,7 @@ class PPOModule(OnlineRLModule):
             if share_critic_backbone:
                 self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
             else:
-                critic_spec = ModelSpec.coerce(critic or kwargs.get("reward_model") or actor, "critic")
+                critic_spec = ModelSpec.coerce(critic or self.rewards.model_spec or actor, "critic")
                 self.critic, self.value_head = build_score_model(critic_spec, self.tokenizer), None
                 disable_dropout(self.critic)
         self.beta_ctl = F.PPOPenaltyKLController(self.update.init_beta, self.update.beta_target)
@@ -194,10 +194,10 @@ class PPOModule(OnlineRLModule):
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         metrics = super().schedule_metrics()
         if self.update.policy_loss == "kl_penalty":
-            metrics["beta"] = torch.tensor(self.beta_ctl.value)
+            metrics["beta"] = torch.tensor(self.beta_ctl.value, dtype=torch.float32)
         actor_opt, critic_opt = self.optimizers()
-        metrics["lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"])
-        metrics["lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"])
+        metrics["lr_actor"] = torch.tensor(actor_opt.param_groups[0]["lr"], dtype=torch.float32)
+        metrics["lr_critic"] = torch.tensor(critic_opt.param_groups[0]["lr"], dtype=torch.float32)
         return metrics
 
     # ----------------------------------------------------------------------------------------------

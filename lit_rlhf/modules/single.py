@@ -26,6 +26,7 @@ from lit_rlhf.modules.base import (
     plain_hparams,
 )
 from lit_rlhf.modules.distributed import (
+    clip_without_scaler,
     gather_for_export,
     generation_context,
     is_sharded_checkpoint,
@@ -104,6 +105,17 @@ class SingleModelModule(LightningModule):
         return configure_optimizer_and_scheduler(
             self, params, self.optimizer, self.scheduler, self.trainer.estimated_stepping_batches
         )
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        """``Trainer(gradient_clip_val=...)`` under ``bf16-mixed`` with the default fused AdamW, which
+        Lightning refuses (see :func:`~lit_rlhf.modules.distributed.clip_without_scaler`); other precisions
+        clip as Lightning does."""
+        if not clip_without_scaler(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def on_before_backward(self, loss: torch.Tensor) -> None:

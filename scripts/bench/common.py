@@ -57,10 +57,26 @@ TRL_COMMON = dict(
 )  # fmt: skip
 
 
-def bench_parser(doc: str | None, impl: bool = True, lit_args: bool = False):
+# The precisions of the rollout benchmarks (--precision): float32, or Lightning's bf16-mixed (torch.autocast
+# to bfloat16 on the CPU; weights, gradients and AdamW moments float32) against TRL with
+# TrainingArguments.bf16=True (accelerate's autocast to bfloat16 on the CPU: the same scheme; ppo_bench.py
+# also sets ACCELERATE_MIXED_PRECISION for PPOTrainer's own Accelerator).
+PRECISIONS = ("32-true", "bf16-mixed")
+# The driver adds the bf16 rows (W1_grpo_bf16, W3_ppo_bf16) where the measured bf16 matmul peak is at
+# least this multiple of the fp32 one (an AMX Xeon measures ~7x; a CPU without bf16 instructions far
+# below 1x, where bf16 would only be slower).
+BF16_ROWS_MIN_SPEEDUP = 2.0
+
+
+def trl_precision(precision: str) -> dict:
+    """TrainingArguments fields of ``precision`` (overriding TRL_COMMON's ``bf16=False``)."""
+    return dict(bf16=precision == "bf16-mixed")
+
+
+def bench_parser(doc: str | None, impl: bool = True, lit_args: bool = False, precision: bool = False):
     """The argparse parser every benchmark script starts from: --impl lit|trl, --assets, --threads, and
     with ``lit_args`` --lit-args (a JSON object of lit_rlhf constructor-argument overrides, see
-    :func:`with_overrides`; only for scripts that apply it)."""
+    :func:`with_overrides`; only for scripts that apply it), with ``precision`` --precision (PRECISIONS)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +88,11 @@ def bench_parser(doc: str | None, impl: bool = True, lit_args: bool = False):
         parser.add_argument(
             "--lit-args", type=json.loads, default={},
             help='lit_rlhf module arguments to override, JSON, e.g. \'{"generation": {"sampler": "multinomial"}}\'',
+        )  # fmt: skip
+    if precision:
+        parser.add_argument(
+            "--precision", choices=PRECISIONS, default="32-true",
+            help="lit_rlhf: the Trainer's precision; TRL: bf16=True for bf16-mixed (autocast on the CPU)",
         )  # fmt: skip
     return parser
 

@@ -1,18 +1,28 @@
 """lit_rlhf vs TRL, side by side in one invocation: the realistic workloads of issue 16 (W1 GRPO, W2 RM
 and DPO, W3 PPO), the fixed-length controls (PPO, reward model), matmul peak and FLOP utilisation.
 
-    .venv/bin/python scripts/bench/compare.py --trl-python .bench-venv/bin/python [--threads 1]
-        [--workloads W1_grpo,W2_dpo] [--size full|smoke] [--repeats 3] [--out results.json]
+    .venv/bin/python scripts/bench/compare.py --trl-python .bench-venv/bin/python
+        --trl-new-python .bench-venv-new/bin/python [--threads 1] [--workloads W1_grpo,W2_dpo]
+        [--size full|smoke] [--repeats 3] [--out results.json] [--bf16-rows auto|on|off]
+
+The fp32 and bf16 matmul peaks are measured first (matmul_peak.py). Where the bf16 peak is at least
+``common.BF16_ROWS_MIN_SPEEDUP`` times the fp32 one (``--bf16-rows auto``), W1 and W3 also run as the rows
+``W1_grpo_bf16`` and ``W3_ppo_bf16`` (lit_rlhf under Lightning's bf16-mixed, TRL with ``bf16=True``), and
+the FLOP-utilisation run is repeated under bf16-mixed, its utilisation taken against the bf16 peak.
 
 Builds the shared assets once (tokenizer, initial weights, prompts, pairs), then runs every benchmark as
-its own subprocess (so peak RSS is per run), alternating the two implementations (A B, B A, A B, ...)
-so that load from other jobs on a shared machine hits both alike, and prints Markdown tables of
-medians with min-max spreads and the A/B ratio's min / median / max over the repeat pairs. ``--out``
-writes the raw results and ``"summary": {workload: {"throughput_ratio", "rss_ratio", ...}}`` (medians
-of A/B over the repeat pairs, report.summary).
+its own subprocess (so peak RSS is per run). Each repeat runs every implementation of the workload once,
+the order rotating by one place per repeat (A B C, B C A, C A B; with two: A B, B A, ...) so that load
+from other jobs on a shared machine hits all alike, and the tables give medians with min-max spreads and
+the ratio of A to each peer (min / median / max over the repeats). The peers are B (``trl``, TRL 1.12.0,
+the last release with PPOTrainer) and, on W1 GRPO and W2 RM/DPO, C (``trl-new``, the newest TRL
+release, in its own environment); the headline ratio of each workload is against its faster peer (by
+median throughput) and both are reported. ``--out`` writes the raw results and ``"summary": {workload:
+{"throughput_ratio", "rss_ratio", "peer", "peers", ...}}`` (peers.summary).
 
 Implementations are ``lit`` (the installed lit_rlhf), ``lit@DIR`` (lit_rlhf imported from DIR, e.g. a
-patched copy, for A/B tests of an optimisation) and ``trl``. Run ``scripts/bench/setup.sh`` first.
+patched copy, for A/B tests of an optimisation), ``trl`` (``--trl-python``) and ``trl-new``
+(``--trl-new-python``). Run ``scripts/bench/setup.sh`` first.
 """
 
 from __future__ import annotations
@@ -28,8 +38,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import PPO, RESULT_PREFIX, child_env, log  # noqa: E402
-from report import flops_table, ppo_table, rm_table, summary, summary_table, versions_line  # noqa: E402
+from common import BF16_ROWS_MIN_SPEEDUP, PPO, RESULT_PREFIX, child_env, log  # noqa: E402
+from peers import (  # noqa: E402
+    NEW_PEER_WORKLOADS,
+    impl_labels,
+    run_order,
+    summary,
+    summary_table,
+    tables,
+    versions_by_impl,
+    versions_table,
+    workload_peers,
+)
+from report import (  # noqa: E402
+    BF16_SUFFIX,
+    flops_table,
+    peak_table,
+    precision_speedups,
+)
 from workloads import SIZES, WORKLOADS, assets_dir  # noqa: E402
 
 
@@ -37,16 +63,19 @@ class Runner:
     def __init__(self, args, workdir: Path) -> None:
         self.args, self.workdir = args, workdir
 
+    def python(self, name: str) -> str:
+        """The interpreter of an implementation: the TRL environments' for ``trl`` and ``trl-new``."""
+        return {"trl": self.args.trl_python, "trl-new": self.args.trl_new_python}.get(name, sys.executable)
+
     def run(self, script: str, impl: str, *extra: str) -> dict:
         """Run ``script`` for ``impl`` in a fresh process and return its BENCH_RESULT."""
         name, _, src = impl.partition("@")
-        python = self.args.trl_python if name == "trl" else sys.executable
         env = child_env(self.args.threads)
         if src:
             env["PYTHONPATH"] = str(Path(src).resolve())
-        cmd = [python, str(HERE / script), "--threads", str(self.args.threads), *extra]
+        cmd = [self.python(name), str(HERE / script), "--threads", str(self.args.threads), *extra]
         if script != "matmul_peak.py":
-            cmd += ["--impl", name, "--assets", str(self.args.assets)]
+            cmd += ["--impl", "trl" if name.startswith("trl") else name, "--assets", str(self.args.assets)]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=self.workdir, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
@@ -54,19 +83,12 @@ class Runner:
             log(proc.stdout[-3000:] + proc.stderr[-6000:])
             raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
         log(f"  {script} {impl} {' '.join(extra)}: {time.perf_counter() - start:.0f} s")
-        return json.loads(lines[-1][len(RESULT_PREFIX) :])
+        return {**json.loads(lines[-1][len(RESULT_PREFIX) :]), "impl": impl}
 
-    def alternate(self, script: str, *extra: str) -> list[tuple[dict, dict]]:
-        """``repeats`` (A, B) result pairs, the order flipping every repeat."""
-        a, b = self.args.a, self.args.b
-        pairs = []
-        for i in range(self.args.repeats):
-            if i % 2 == 0:
-                ra, rb = self.run(script, a, *extra), self.run(script, b, *extra)
-            else:
-                rb, ra = self.run(script, b, *extra), self.run(script, a, *extra)
-            pairs.append((ra, rb))
-        return pairs
+    def repeats(self, script: str, impls: list[str], *extra: str) -> list[dict[str, dict]]:
+        """``repeats`` dicts ``{impl: result}``, the run order rotating every repeat (peers.run_order)."""
+        order = [run_order(impls, i) for i in range(self.args.repeats)]
+        return [{impl: self.run(script, impl, *extra) for impl in impls} for impls in order]
 
 
 def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -75,7 +97,7 @@ def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
     rollouts = args.rollouts or size["control_rollouts"]
     rm_steps = args.rm_steps or size["control_rm_steps"]
     sized = ("--size", args.size)
-    return {
+    jobs = {
         "W1_grpo": ("grpo_bench.py", sized),
         "W2_rm": ("pair_bench.py", ("--algo", "rm", *sized)),
         "W2_dpo": ("pair_bench.py", ("--algo", "dpo", *sized)),
@@ -83,6 +105,31 @@ def workload_jobs(args) -> dict[str, tuple[str, tuple[str, ...]]]:
         "control_ppo": ("ppo_bench.py", ("--rollouts", str(rollouts))),
         "control_rm": ("rm_bench.py", ("--steps", str(rm_steps), "--warmup", str(args.rm_warmup))),
     }
+    for name in BF16_WORKLOADS:
+        script, extra = jobs[name]
+        jobs[name + BF16_SUFFIX] = (script, (*extra, "--precision", "bf16-mixed"))
+    return jobs
+
+
+BF16_WORKLOADS = ("W1_grpo", "W3_ppo")  # the workloads with a bf16-mixed row
+
+
+def bf16_rows_wanted(mode: str, peak: dict | None) -> bool:
+    """``--bf16-rows``: ``on``, ``off``, or ``auto`` = where the measured bf16 matmul peak is at least
+    BF16_ROWS_MIN_SPEEDUP times the fp32 one."""
+    if mode != "auto":
+        return mode == "on"
+    return peak is not None and peak["bf16_gflops"] >= BF16_ROWS_MIN_SPEEDUP * peak["fp32_gflops"]
+
+
+def with_bf16_rows(names: list[str]) -> list[str]:
+    """``names`` with each BF16_WORKLOADS member followed by its bf16 row (``flops`` by ``flops_bf16``)."""
+    out = []
+    for name in names:
+        out.append(name)
+        if name in BF16_WORKLOADS or name == "flops":
+            out.append(name + BF16_SUFFIX)
+    return out
 
 
 def selected(args) -> list[str]:
@@ -113,40 +160,26 @@ def build_assets(args, names: list[str]) -> None:
         subprocess.run(cmd, env=env, check=True, capture_output=True)
 
 
-def tables(results: dict, a: str, b: str) -> list[str]:
-    runs = results["runs"]
-    titled = {
-        "W1_grpo": "W1 GRPO: K = 8 responses of <= 64 tokens (EOS-stopped) per prompt of 64-256 tokens, vocab 32k",
-        "W3_ppo": "W3 PPO: responses of <= 64 tokens (EOS-stopped), prompts of 16-256 tokens, vocab 32k",
-    }
-    out = []
-    for name, pairs in runs.items():
-        if name == "control_ppo":
-            out.append(ppo_table(pairs, a, b, PPO, rss_target="<= 0.8x", target=">= 1.0x"))
-        elif name in titled:
-            run = pairs[0][0]
-            title = f"{titled[name]}, {run['actor_params'] / 1e6:.1f}M-parameter Llama actor"
-            out.append(ppo_table(pairs, a, b, PPO, title, "response tokens/s", "<= 0.7x"))
-        elif name == "control_rm":
-            out.append(rm_table(pairs, a, b, target=">= 1.0x"))
-        else:
-            what = "Reward model (Llama classifier)" if name == "W2_rm" else "DPO (Llama causal LM)"
-            title = (
-                f"{name} {what}: prompts 64-512 tokens, chosen/rejected 16-128, vocab 32k, "
-                f"{pairs[0][0]['params'] / 1e6:.1f}M parameters"
-            )
-            out.append(rm_table(pairs, a, b, title))
-    return out
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trl-python", default=".bench-venv/bin/python", help="python of the TRL venv")
+    parser.add_argument(
+        "--trl-python", default=".bench-venv/bin/python",
+        help="python of the trl 1.12.0 venv (implementation trl)",
+    )
+    parser.add_argument(
+        "--trl-new-python", default=".bench-venv-new/bin/python",
+        help="python of the newest TRL's venv (implementation trl-new)",
+    )
     parser.add_argument("--a", default="lit", help="first implementation (numerator of the ratios)")
-    parser.add_argument("--b", default="trl", help="second implementation (denominator)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (equal for both)")
+    parser.add_argument("--b", default="trl", help="second implementation (a denominator)")
+    parser.add_argument(
+        "--c", default="auto",
+        help=f"third implementation, on {', '.join(NEW_PEER_WORKLOADS)} only: auto = trl-new where --b is "
+        "trl, none = no third",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (equal for all)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per implementation and workload")
     parser.add_argument(
         "--workloads", default="all",
@@ -162,44 +195,111 @@ def main() -> None:
     parser.add_argument("--flops-rollouts", type=int, default=3, help="PPO rollouts of the >= 20M model")
     parser.add_argument("--assets", help="reuse (or create) the assets in this folder instead of a temp one")
     parser.add_argument("--out", help="also write every raw result and the summary to this JSON file")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--bf16-rows", choices=["auto", "on", "off"], default="auto",
+        help=f"the bf16-mixed rows of {', '.join(BF16_WORKLOADS)} (and flops): auto = where the "
+        f"measured bf16 matmul peak is >= {BF16_ROWS_MIN_SPEEDUP:g}x the fp32 one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak-seconds", type=float, default=1.0, help="matmul_peak.py time per dtype and size"
+    )
+    args = parser.parse_args(argv)
     # absolute (runs start in a temp folder), but not resolved: a venv's python is a symlink
-    args.trl_python = os.path.abspath(args.trl_python)
+    args.trl_python, args.trl_new_python = map(os.path.abspath, (args.trl_python, args.trl_new_python))
+    args.c = third_impl(args.b, args.c)
+    impls = [args.a, args.b, *([args.c] if args.c else [])]
+    if len(set(impls)) < len(impls):
+        parser.error(f"--a, --b and --c name the same implementation twice: {impls}")
+    return args
+
+
+def third_impl(b: str, c: str) -> str | None:
+    """``--c``: ``auto`` = ``trl-new`` where B is ``trl`` (TRL 1.12.0), else none; ``none`` = none."""
+    if c == "auto":
+        return "trl-new" if b == "trl" else None
+    return None if c == "none" else c
+
+
+def check_pythons(args, names: list[str]) -> None:
+    """A clear error before any run when a TRL environment that the selected workloads need is missing."""
+    needed = {"trl": args.trl_python, "trl-new": args.trl_new_python}
+    impls = {impl for name in names if not name.startswith("flops")
+             for impl in (args.a, *workload_peers(name, args.b, args.c))}  # fmt: skip
+    for impl in sorted(impls & needed.keys()):
+        if not os.access(needed[impl], os.X_OK):
+            flag = "--trl-python" if impl == "trl" else "--trl-new-python (or --c none)"
+            raise SystemExit(
+                f"no TRL environment for {impl} at {needed[impl]}: run scripts/bench/setup.sh or pass {flag}"
+            )
+
+
+def measure(args, names: list[str], tmp: Path) -> dict:
+    """Every selected workload's repeats, the matmul peak and the FLOP-utilisation runs."""
+    build_assets(args, names)
+    runner, jobs = Runner(args, tmp), workload_jobs(args)
+    results: dict = dict(threads=args.threads, a=args.a, b=args.b, c=args.c, size=args.size)
+    results.update(runs={}, peers={})
+    if args.bf16_rows == "auto" or "flops" in names:
+        log("matmul peak of fp32 and bf16")
+        results["peak"] = runner.run("matmul_peak.py", "lit", "--seconds", str(args.peak_seconds))
+    results["bf16_rows"] = bf16_rows_wanted(args.bf16_rows, results.get("peak"))
+    if results["bf16_rows"]:
+        names = with_bf16_rows(names)
+    for name in names:
+        if name.startswith("flops"):
+            precision = "bf16-mixed" if name != "flops" else "32-true"
+            log(f"lit_rlhf PPO on the >= 20M-parameter model, {precision}")
+            flop_args = ("--model", "large", "--rollouts", str(args.flops_rollouts), "--count-flops")
+            results[name] = runner.run("ppo_bench.py", args.a, *flop_args, "--precision", precision)
+            continue
+        script, extra = jobs[name]
+        results["peers"][name] = workload_peers(name, args.b, args.c)
+        impls = [args.a, *results["peers"][name]]
+        log(f"{name}: {args.repeats} x ({', '.join(impls)}), the order rotating")
+        results["runs"][name] = runner.repeats(script, impls, *extra)
+    results["versions"] = versions_by_impl(results["runs"])
+    results["pythons"] = {impl: runner.python(impl.partition("@")[0]) for impl in results["versions"]}
+    return results
+
+
+def print_report(results: dict, args) -> None:
+    c = f", C={args.c}" if args.c else ""
+    header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}{c}, size={args.size}"
+    print(f"\n## lit_rlhf benchmarks ({header})\n")
+    labels = impl_labels(results["versions"])
+    print(versions_table(results["versions"], results["pythons"]))
+    if "peak" in results:
+        print(peak_table(results["peak"], BF16_ROWS_MIN_SPEEDUP))
+    if results["runs"]:
+        print(summary_table(results["summary"], args.a, labels))
+    for table in tables(results, args.a, labels):
+        print(table)
+    speedups = precision_speedups(results["runs"])
+    if speedups:
+        print(speedups)
+    for name in ("flops", "flops" + BF16_SUFFIX):
+        if name in results:
+            print(flops_table(results["peak"], results[name], PPO))
+    print(f"total benchmark time: {results['wall_s'] / 60:.1f} min")
+
+
+def main() -> None:
+    args = parse_args()
     names = selected(args)
     if "flops" in names and args.a.startswith("trl"):
         log("skipping the FLOP-utilisation run: it measures lit_rlhf (A), not TRL")
         names.remove("flops")
+    check_pythons(args, names)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lit_rlhf_bench_") as tmp:
         if args.assets is None:
             args.assets = str(Path(tmp) / "assets")
-        build_assets(args, names)
-        runner, jobs = Runner(args, Path(tmp)), workload_jobs(args)
-        results: dict = {"threads": args.threads, "a": args.a, "b": args.b, "size": args.size, "runs": {}}
-        for name in names:
-            if name == "flops":
-                log("matmul peak, then lit_rlhf PPO on the >= 20M-parameter model")
-                results["peak"] = runner.run("matmul_peak.py", "lit")
-                flop_args = ("--model", "large", "--rollouts", str(args.flops_rollouts), "--count-flops")
-                results["flops"] = runner.run("ppo_bench.py", args.a, *flop_args)
-                continue
-            script, extra = jobs[name]
-            log(f"{name}: {args.repeats} x ({args.a}, {args.b})")
-            results["runs"][name] = runner.alternate(script, *extra)
+        results = measure(args, names, Path(tmp))
     results["wall_s"] = time.perf_counter() - start
     if args.out:  # the raw results first: a fault in the tables loses no measurement
         Path(args.out).write_text(json.dumps(results, indent=1))
-    results["summary"] = summary(results["runs"])
-    header = f"threads={args.threads}, repeats={args.repeats}, A={args.a}, B={args.b}, size={args.size}"
-    print(f"\n## lit_rlhf benchmarks ({header})\n")
-    if results["runs"]:
-        print(summary_table(results["summary"], args.a, args.b))
-    for table in tables(results, args.a, args.b):
-        print(table)
-    if "flops" in results:
-        print(flops_table(results["peak"], results["flops"], PPO))
-    print(versions_line(results))
-    print(f"total benchmark time: {results['wall_s'] / 60:.1f} min")
+    results["summary"] = summary(results["runs"], args.a, results["peers"])
+    print_report(results, args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

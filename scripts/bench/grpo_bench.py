@@ -8,8 +8,9 @@ top-k/top-p, pad suppressed), score them with the same Python reward function, a
 step per rollout: one pass (TRL num_iterations=1) over one minibatch of all rows, token-mean loss
 aggregation (TRL loss_type="dapo"; one process, so the same as the local token mean), clipped ratio
 eps 0.2, k3 KL-to-reference loss with beta 0.04, group-std advantages, AdamW lr 1e-6 without weight
-decay, gradient clipping 1.0, float32, no gradient checkpointing. Prompts come in dataset order (TRL
-``shuffle_dataset=False``), so both runs see the same prompts per rollout.
+decay, gradient clipping 1.0, float32 (``--precision bf16-mixed``: Lightning's bf16-mixed against TRL's
+``bf16=True``, both autocast to bfloat16 with float32 weights), no gradient checkpointing. Prompts come in
+dataset order (TRL ``shuffle_dataset=False``), so both runs see the same prompts per rollout.
 
 Prints one ``BENCH_RESULT {json}`` line: per-rollout phases (common.Timeline) and the real response
 tokens of each rollout (EOS included), peak RSS. The first rollout is a warm-up.
@@ -30,6 +31,7 @@ from common import (  # noqa: E402
     emit,
     footprint,
     set_threads,
+    trl_precision,
     with_overrides,
 )
 from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
@@ -97,6 +99,7 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
         trainer = Trainer(
             accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=1, default_root_dir=root, callbacks=[Marks()],
+            precision=args.precision,
         )  # fmt: skip
         trainer.fit(module, loader)
     return sum(p.numel() for p in module.actor.parameters())
@@ -127,6 +130,8 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
         def on_step_end(self, *a, **k):
             timeline.mark("iter_end")
 
+    if args.trl_compact_head:
+        compact_fused_head()
     size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
     tokenizer = AutoTokenizer.from_pretrained(folder / "actor", padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(folder / "actor", dtype=torch.float32)
@@ -148,6 +153,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             top_k=0,
             generation_kwargs={"suppress_tokens": [tokenizer.pad_token_id]},  # as lit_rlhf's generate
             beta=GRPO["beta"],
+            use_bias_correction_kl=False,  # lit_rlhf's k3 KL loss is not multiplied by the ratio
             epsilon=GRPO["clip"],
             loss_type="dapo",
             scale_rewards="group",
@@ -159,7 +165,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             shuffle_dataset=False,
             disable_dropout=True,
             logging_steps=1,
-            **TRL_COMMON,
+            **{**TRL_COMMON, **trl_precision(args.precision)},
             **TRL_VLLM.get(args.trl_vllm, {}),
         )
         trainer = TimedGRPOTrainer(
@@ -170,6 +176,20 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def compact_fused_head() -> None:
+    """--trl-compact-head: TRL >= 1.13's fused LM head (``add_fused_lm_head``, which GRPOTrainer always applies)
+    scores only the completion tokens on the CPU too. It compacts the positions to the valid labels only
+    where ``_use_triton(device)`` (CUDA/XPU with Triton) and elsewhere projects every position, prompt and
+    padding included, through the LM head; no setting turns that off. This patches the private switch of
+    ``trl.trainer.utils``, not the kernel choice (the tiles stay torch ops): a what-if, not a user setting."""
+    import trl
+    import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "_use_triton"):
+        raise SystemExit(f"--trl-compact-head: trl {trl.__version__} has no fused LM head to compact")
+    trl_utils._use_triton = lambda device: True
+
+
 # --trl-vllm colocate: GRPOTrainer's vLLM generation in the trainer process, as a TRL user with vLLM picks it
 # (vLLM must be importable: the vLLM environment with trl on the path, see engine_bench.py)
 TRL_VLLM = {"colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
@@ -177,9 +197,13 @@ TRL_VLLM = {"colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memor
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, lit_args=True)
+    parser = bench_parser(__doc__, lit_args=True, precision=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--trl-vllm", choices=sorted(TRL_VLLM), help="TRL generates with vLLM (colocate)")
+    parser.add_argument(
+        "--trl-compact-head", action="store_true",
+        help="what-if: TRL >= 1.13's fused LM head scores the completion tokens only on the CPU (compact_fused_head)",
+    )  # fmt: skip
     args = parser.parse_args()
     set_threads(args.threads)
     import torch
@@ -195,6 +219,7 @@ def main() -> None:
             impl=args.impl,
             workload="W1_grpo",
             size=args.size,
+            precision=args.precision,
             threads=torch.get_num_threads(),
             actor_params=actor_params,
             response_tokens=tokens,

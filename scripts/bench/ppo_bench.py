@@ -2,6 +2,7 @@
 
     python scripts/bench/ppo_bench.py --impl lit|trl --assets DIR [--model small|large] [--rollouts 5]
         [--warmup 1] [--threads 1] [--count-flops] [--profile FILE] [--workload control|W3_ppo --size full]
+        [--precision 32-true|bf16-mixed]
 
 ``--workload control`` (default) is issue 7's fixed-length control: common.PPO, 16-token prompts, no
 early stop. ``--workload W3_ppo`` is issue 16's W3: prompts of 16-256 tokens, responses of up to 64
@@ -12,12 +13,16 @@ result then also lists the real response tokens of every rollout (EOS included).
 Prints one ``BENCH_RESULT {json}`` line: per-rollout phase times (generation / scoring / update /
 other / total, see common.Timeline), peak RSS, and with --count-flops the update phase's FLOPs counted
 by torch.utils.flop_counter.FlopCounterMode on the first (warm-up) rollout. The first ``--warmup``
-rollouts are reported but excluded from the driver's statistics. Settings: common.PPO.
+rollouts are reported but excluded from the driver's statistics. Settings: common.PPO. ``--precision
+bf16-mixed`` runs lit_rlhf under Lightning's bf16-mixed and TRL with ``bf16=True`` and
+``ACCELERATE_MIXED_PRECISION=bf16`` (its PPOTrainer's own Accelerator reads only the latter): both autocast
+to bfloat16 on the CPU, weights float32.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +38,7 @@ from common import (
     footprint,
     load_json,
     set_threads,
+    trl_precision,
     with_overrides,
 )  # noqa: E402
 from workloads import MAX_NEW_TOKENS, PPO32K, SIZES, assets_dir, load_rows  # noqa: E402
@@ -140,6 +146,7 @@ def run_lit(args, timeline: Timeline, flops: list[int], tokens: list[int]):
             max_epochs=1,
             default_root_dir=root,
             callbacks=[Marks()],
+            precision=args.precision,
         )
         trainer.fit(module, loader)
     return n_params(module.actor), n_params(module.critic)
@@ -189,6 +196,10 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
         def on_step_end(self, *a, **k):
             timeline.mark("iter_end")
 
+    if args.precision == "bf16-mixed":
+        # PPOTrainer builds its own Accelerator() without TrainingArguments' bf16: what reaches it is the
+        # launcher's setting (`accelerate launch --mixed_precision bf16` sets this variable)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     S, models, prompts = workload(args)
     tokenizer = AutoTokenizer.from_pretrained(models / "actor", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(models / "actor", dtype=torch.float32)
@@ -224,7 +235,7 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
             total_episodes=S["batch"] * args.rollouts,
             num_sample_generations=0,
             logging_steps=1,
-            **TRL_COMMON,
+            **{**TRL_COMMON, **trl_precision(args.precision)},
         )
         trainer = PPOTrainer(
             args=config,
@@ -242,7 +253,7 @@ def run_trl(args, timeline: Timeline, flops: list[int], tokens: list[int]):
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, lit_args=True)
+    parser = bench_parser(__doc__, lit_args=True, precision=True)
     parser.add_argument("--model", choices=["small", "large"], default="small")
     parser.add_argument("--rollouts", type=int, default=5)
     parser.add_argument("--count-flops", action="store_true")
@@ -271,6 +282,7 @@ def main() -> None:
             actor_params=actor_params,
             critic_params=critic_params,
             workload=args.workload,
+            precision=args.precision,
             tokens_per_rollout=settings["batch"] * settings["response_len"],  # the control's (no early stop)
             response_tokens=tokens,
             rollouts=timeline.rollouts(),

@@ -1,5 +1,6 @@
-"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets of issues 7 and 16)
-and the summary a script reads (:func:`summary`). Pure Python: no torch, no lit_rlhf, no TRL."""
+"""Markdown tables of the benchmark results (medians, spreads, A/B ratios, targets) of one workload and
+one pair of implementations; the summary over peers is in peers.py. Pure Python: no torch, no lit_rlhf,
+no TRL."""
 
 from __future__ import annotations
 
@@ -70,49 +71,19 @@ THROUGHPUT_UNITS = {
 }
 
 
+BF16_SUFFIX = "_bf16"  # the bf16-mixed rows of a workload (W1_grpo_bf16, W3_ppo_bf16)
+
+
+def base_workload(name: str) -> str:
+    """The workload a row measures: ``W1_grpo_bf16`` -> ``W1_grpo``."""
+    return name.removesuffix(BF16_SUFFIX)
+
+
 def throughput(workload: str, run: dict) -> float:
     """The wall-clock throughput of one run in the workload's unit (THROUGHPUT_UNITS)."""
-    if workload in ROLLOUT_WORKLOADS:
+    if base_workload(workload) in ROLLOUT_WORKLOADS:
         return ppo_run_stats(run)["tok_s"]
     return run["pairs_per_s"]
-
-
-def summary(runs: dict[str, list[tuple[dict, dict]]]) -> dict[str, dict]:
-    """``{workload: {"throughput_ratio", "rss_ratio", ...}}``: medians over the repeat pairs of A/B.
-
-    ``throughput_ratio`` is the median of the per-pair ratios of wall-clock throughput (A / B, > 1 = A
-    faster), ``rss_ratio`` the median of the per-pair peak-RSS ratios (< 1 = A smaller); the min and max
-    of each and the unit are kept beside them.
-    """
-    out = {}
-    for workload, pairs in runs.items():
-        speed = [throughput(workload, a) / throughput(workload, b) for a, b in pairs]
-        rss = [a["peak_rss_mb"] / b["peak_rss_mb"] for a, b in pairs]
-        out[workload] = dict(
-            throughput_ratio=statistics.median(speed),
-            rss_ratio=statistics.median(rss),
-            throughput_ratio_range=[min(speed), max(speed)],
-            rss_ratio_range=[min(rss), max(rss)],
-            throughput_unit=THROUGHPUT_UNITS[workload],
-            repeats=len(pairs),
-        )
-    return out
-
-
-def summary_table(summ: dict[str, dict], a: str, b: str) -> str:
-    lines = [
-        f"### Summary: {a}/{b}, medians over the repeat pairs [min-max]",
-        "",
-        "| workload | throughput ratio | peak RSS ratio | throughput unit |",
-        "| --- | --- | --- | --- |",
-    ]
-    for workload, row in summ.items():
-        (t0, t1), (r0, r1) = row["throughput_ratio_range"], row["rss_ratio_range"]
-        lines.append(
-            f"| {workload} | {row['throughput_ratio']:.2f} [{t0:.2f}-{t1:.2f}] "
-            f"| {row['rss_ratio']:.2f} [{r0:.2f}-{r1:.2f}] | {row['throughput_unit']} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def ppo_table(
@@ -182,40 +153,77 @@ def rm_table(
     return "\n".join(lines) + "\n"
 
 
+def run_dtype(run: dict) -> str:
+    """``fp32`` or ``bf16``: the matmul dtype of a run (``precision`` bf16-mixed: autocast to bfloat16)."""
+    return "bf16" if run.get("precision") == "bf16-mixed" else "fp32"
+
+
+def peak_table(peak: dict, min_speedup: float) -> str:
+    """The matmul peak of each dtype (matmul_peak.py) and whether the bf16 rows run (bf16/fp32 >=
+    ``min_speedup``)."""
+    ratio = peak["bf16_gflops"] / peak["fp32_gflops"]
+    verdict = "run" if ratio >= min_speedup else "skipped"
+    lines = [
+        f"### Matmul peak ({peak['threads']} thread(s)): bf16 rows {verdict} (bf16/fp32 {ratio:.2f}x, "
+        f"threshold {min_speedup:g}x)",
+        "",
+        "| dtype | GFLOP/s (wall) | GFLOP/s per CPU-second | by size (wall) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for dtype in ("fp32", "bf16"):
+        sizes = ", ".join(f"{n}: {g:g}" for n, g in peak[f"{dtype}_by_size"].items())
+        lines.append(
+            f"| {dtype} | {peak[f'{dtype}_gflops']:.1f} | {peak[f'{dtype}_cpu_gflops']:.1f} | {sizes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def precision_speedups(runs: dict[str, list[dict[str, dict]]]) -> str:
+    """Each implementation's bf16-mixed / float32 throughput per workload with a bf16 row (medians of the
+    runs of each row, ``runs`` as compare.py keeps them, one ``{implementation: result}`` per repeat: the
+    rows are measured at different times, so this ratio is noisier than A/B)."""
+    lines = []
+    for name, repeats in runs.items():
+        base = base_workload(name)
+        if name == base or base not in runs:
+            continue
+        parts = []
+        for impl in dict.fromkeys(impl for rep in repeats for impl in rep):
+            bf16 = [throughput(base, rep[impl]) for rep in repeats if impl in rep]
+            fp32 = [throughput(base, rep[impl]) for rep in runs[base] if impl in rep]
+            if fp32:
+                parts.append(f"{impl} {statistics.median(bf16) / statistics.median(fp32):.2f}x")
+        lines.append(f"- {base}: bf16-mixed / float32 throughput, " + ", ".join(parts))
+    return ("### What bf16 buys (same run)\n\n" + "\n".join(lines) + "\n") if lines else ""
+
+
 def flops_table(peak: dict, run: dict, settings: dict) -> str:
+    """FLOP utilisation of the PPO update against the matmul peak of the dtype the run multiplies in."""
     stats = ppo_run_stats(run)
+    dtype = run_dtype(run)
     flops = run["update_flops"]
     rows_tokens = (
         settings["batch"] * (settings["prompt_len"] + settings["response_len"]) * settings["ppo_epochs"]
     )
     estimate = 6 * (run["actor_params"] + run["critic_params"]) * rows_tokens
     wall, cpu = flops / stats["update"] / 1e9, flops / stats["cpu_update"] / 1e9
+    target = " (target >= 60%)" if dtype == "fp32" else ""
     lines = [
-        f"### FLOP utilisation of the PPO update phase ({run['impl']}, {run['actor_params'] / 1e6:.1f}M-parameter "
-        f"actor + {run['critic_params'] / 1e6:.1f}M critic, {len(run['rollouts']) - 1} timed rollouts)",
+        f"### FLOP utilisation of the PPO update phase ({run['impl']}, {run.get('precision', '32-true')}, "
+        f"{run['actor_params'] / 1e6:.1f}M-parameter actor + {run['critic_params'] / 1e6:.1f}M critic, "
+        f"{len(run['rollouts']) - 1} timed rollouts)",
         "",
         "| quantity | wall | per CPU-second |",
         "| --- | --- | --- |",
         f"| matmul peak fp32, GFLOP/s | {peak['fp32_gflops']:.1f} | {peak['fp32_cpu_gflops']:.1f} |",
-        f"| matmul peak bf16, GFLOP/s | {peak['bf16_gflops']:.2f} | {peak['bf16_cpu_gflops']:.2f} |",
+        f"| matmul peak bf16, GFLOP/s | {peak['bf16_gflops']:.1f} | {peak['bf16_cpu_gflops']:.1f} |",
         f"| update FLOPs / rollout (FlopCounterMode; 6*N*D = {estimate / 1e9:.0f} G) | {flops / 1e9:.0f} G | |",
         f"| update time / rollout, s | {stats['update']:.2f} | {stats['cpu_update']:.2f} |",
         f"| - of which optimizer.step, s | {stats['optimizer']:.2f} | {stats['cpu_optimizer']:.2f} |",
         f"| update achieved, GFLOP/s | {wall:.1f} | {cpu:.1f} |",
-        f"| fraction of fp32 peak (target >= 60%) | {wall / peak['fp32_gflops']:.0%} "
-        f"| {cpu / peak['fp32_cpu_gflops']:.0%} |",
+        f"| fraction of the {dtype} peak{target} | {wall / peak[f'{dtype}_gflops']:.0%} "
+        f"| {cpu / peak[f'{dtype}_cpu_gflops']:.0%} |",
         f"| PPO rollout tokens/s of this model | {stats['tok_s']:.0f} | {stats['cpu_tok_s']:.0f} |",
         f"| peak RSS MB | {run['peak_rss_mb']:.0f} | |",
     ]
     return "\n".join(lines) + "\n"
-
-
-def versions_line(results: dict) -> str:
-    """Package versions of each implementation, from its first run."""
-    seen: dict[str, dict] = {}
-    for pairs in results.get("runs", {}).values():
-        for pair in pairs:
-            for side, run in zip(("a", "b"), pair):
-                seen.setdefault(results[side], run.get("versions", {}))
-    parts = [f"{impl}: " + ", ".join(f"{k} {v}" for k, v in vers.items()) for impl, vers in seen.items()]
-    return "versions - " + "; ".join(parts) if parts else ""

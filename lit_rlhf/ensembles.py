@@ -1,0 +1,226 @@
+"""Reward-model ensembles as one reward source: how an online module's ``reward_model`` names one, and the
+folder an ensemble is exported to.
+
+An online module's ``reward_model`` is an ensemble when it is
+
+- the folder of an ensemble (``reward_model: runs/rm_ensemble/export``, or ``{name_or_path: ...}`` with the
+  other ModelSpec fields, e.g. ``dtype``, applied to every member): a folder holding ``ensemble.json``, as
+  :class:`~lit_rlhf.modules.RewardEnsembleModule` exports (``HFExport``) or :func:`write_ensemble_manifest`
+  writes beside reward models trained apart;
+- or a :class:`RewardEnsemble`: ``{ensemble: [member specs or folders] | folder, aggregation: mean_minus_std,
+  coef: 1.0}``.
+
+Every member scores every response; the score is their aggregate (``functional.aggregate_ensemble``: mean,
+mean_minus_std, mean_minus_var, min) and each member's raw score is logged as ``rollout/reward/member_<k>``
+with their spread as ``rollout/ensemble_std`` (see ``lit_rlhf.rewards.RewardSource``).
+
+``ensemble.json``::
+
+    {"format": "lit_rlhf.reward_ensemble", "version": 1, "members": ["member_0", "member_1", "member_2"],
+     "aggregation": "mean_minus_std", "coef": 1.0}
+
+``members`` are folders relative to the manifest's (or absolute); ``aggregation`` and ``coef`` are the
+defaults a ``RewardEnsemble`` may override. Other keys (``seeds``, ``bootstrap``) record how it was trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from lit_rlhf.functional.ensembles import ENSEMBLE_AGGREGATIONS
+from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.settings import Settings
+
+__all__ = [
+    "ENSEMBLE_MANIFEST",
+    "EnsembleMembers",
+    "RewardEnsemble",
+    "check_member_tokenizers",
+    "coerce_reward_model",
+    "is_ensemble_folder",
+    "read_ensemble_manifest",
+    "write_ensemble_manifest",
+]
+
+ENSEMBLE_MANIFEST = "ensemble.json"
+MANIFEST_FORMAT = "lit_rlhf.reward_ensemble"
+Aggregation = Literal["mean", "mean_minus_std", "mean_minus_var", "min"]
+
+
+class EnsembleMembers(NamedTuple):
+    """An ensemble resolved for building: the members' specs, the aggregation and its coefficient, and
+    where it came from (for messages)."""
+
+    members: list[ModelSpec]
+    aggregation: str
+    coef: float
+    source: str
+
+
+@dataclass
+class RewardEnsemble(Settings):
+    """A reward-model ensemble as an online module's ``reward_model``.
+
+    Attributes:
+        ensemble: the members: a list of reward-model specs (``ModelSpec``, dicts of its fields or folders;
+            at least 2, one tokenizer for all), or the folder of an exported ensemble (its ``ensemble.json``).
+        aggregation: how the members' scores become one (``functional.aggregate_ensemble``): ``mean``,
+            ``mean_minus_std`` (UWO with the standard deviation), ``mean_minus_var`` (UWO as Coste et al.
+            2024, arXiv:2310.02743, sec. 3) or ``min`` (WCO); None = the folder's manifest's, or ``mean``.
+        coef: lambda >= 0 of the ``mean_minus_*`` aggregations; None = the manifest's, or 1.0.
+    """
+
+    group: ClassVar[str] = "reward_model"
+
+    ensemble: str | list[ModelSpec | dict | str]
+    aggregation: Aggregation | None = None
+    coef: float | None = None
+
+    def __post_init__(self) -> None:
+        members = self.ensemble
+        if isinstance(members, (list, tuple)):
+            self.require(
+                "ensemble",
+                len(members) >= 2,
+                "at least 2 members (one reward model: reward_model: {name_or_path: ...})",
+            )
+            self.ensemble = [
+                ModelSpec.coerce(m, f"reward_model.ensemble[{i}]") for i, m in enumerate(members)
+            ]
+        else:
+            self.require(
+                "ensemble", isinstance(members, str) and bool(members), "a folder or a list of member specs"
+            )
+        if self.aggregation is not None:
+            self.require_choice("aggregation", ENSEMBLE_AGGREGATIONS)
+        if self.coef is not None:
+            ok = (
+                isinstance(self.coef, (int, float))
+                and not isinstance(self.coef, bool)
+                and math.isfinite(self.coef)
+            )
+            self.require("coef", ok and self.coef >= 0, "a finite number >= 0 or None")
+            self.coef = float(self.coef)
+
+    def resolve(self) -> EnsembleMembers:
+        """The members' specs (a folder's read from its manifest; each member takes the other fields of the
+        ModelSpec the folder was given as, see :func:`coerce_reward_model`), the aggregation and the
+        coefficient (given, else the manifest's, else ``mean`` and 1.0)."""
+        if isinstance(self.ensemble, str):
+            manifest = read_ensemble_manifest(self.ensemble)
+            base = getattr(self, "member_template", None) or ModelSpec(name_or_path=self.ensemble)
+            members = [dataclasses.replace(base, name_or_path=str(path)) for path in manifest["member_paths"]]
+            aggregation = self.aggregation or manifest.get("aggregation", "mean")
+            coef = self.coef if self.coef is not None else float(manifest.get("coef", 1.0))
+            return EnsembleMembers(members, aggregation, coef, str(self.ensemble))
+        names = ", ".join(m.name_or_path or "(config)" for m in self.ensemble)
+        coef = 1.0 if self.coef is None else self.coef
+        return EnsembleMembers(list(self.ensemble), self.aggregation or "mean", coef, f"[{names}]")
+
+
+def is_ensemble_folder(path: str | Path | None) -> bool:
+    """Whether ``path`` is a local folder holding an ``ensemble.json``."""
+    return path is not None and (Path(path) / ENSEMBLE_MANIFEST).is_file()
+
+
+def coerce_reward_model(value: Any, argument: str = "reward_model") -> ModelSpec | RewardEnsemble | None:
+    """An online module's ``reward_model`` as a ``ModelSpec`` (one reward model) or a ``RewardEnsemble``.
+
+    A ``RewardEnsemble``, a dict with an ``ensemble`` key, or a ModelSpec / dict / path whose ``name_or_path``
+    is an ensemble folder is an ensemble; anything else goes through ``ModelSpec.coerce``.
+    """
+    if value is None or isinstance(value, RewardEnsemble):
+        return value
+    if isinstance(value, dict) and {"ensemble", "aggregation", "coef"} & set(value):
+        if "ensemble" not in value:  # e.g. a command-line override that jsonargparse could not merge
+            aggregation = value.get("aggregation")
+            if aggregation is not None and aggregation not in ENSEMBLE_AGGREGATIONS:
+                raise ValueError(
+                    f"{argument}.aggregation must be one of {list(ENSEMBLE_AGGREGATIONS)}, got {aggregation!r}"
+                )
+            raise ValueError(
+                f"{argument}: `aggregation` and `coef` are settings of an ensemble, which needs `ensemble` (a folder "
+                f"or a list of member specs) too; got {value!r:.200}"
+            )
+        return RewardEnsemble.coerce(value, argument)
+    spec = ModelSpec.coerce(value, argument)
+    if spec.config is None and is_ensemble_folder(spec.name_or_path):
+        ensemble = RewardEnsemble(ensemble=spec.name_or_path)
+        ensemble.member_template = spec  # its dtype etc. for every member (not a field: not stored)
+        return ensemble
+    return spec
+
+
+def read_ensemble_manifest(folder: str | Path) -> dict[str, Any]:
+    """The checked ``ensemble.json`` of ``folder``, with ``member_paths`` (the member folders, resolved).
+
+    Raises:
+        FileNotFoundError: no such folder, no manifest, or a member folder that is not there.
+        ValueError: a manifest that is not the ensemble format.
+    """
+    folder = Path(folder)
+    where = f"reward_model.ensemble: {folder}"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{where}: no such folder ({folder.absolute()})")
+    path = folder / ENSEMBLE_MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{where} has no {ENSEMBLE_MANIFEST}: export the ensemble with RewardEnsembleModule (HFExport), write "
+            "one with lit_rlhf.ensembles.write_ensemble_manifest, or list the members: reward_model: {ensemble: [...]}"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    members = manifest.get("members") if isinstance(manifest, dict) else None
+    if not isinstance(members, list) or len(members) < 2 or manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(
+            f"{path}: expected {{format: {MANIFEST_FORMAT!r}, members: [at least 2 folders], ...}}, got {manifest!r:.200}"
+        )
+    aggregation = manifest.get("aggregation", "mean")
+    if aggregation not in ENSEMBLE_AGGREGATIONS:
+        raise ValueError(
+            f"{path}: aggregation must be one of {list(ENSEMBLE_AGGREGATIONS)}, got {aggregation!r}"
+        )
+    paths = [folder / member for member in members]
+    for member, member_path in zip(members, paths):
+        if not member_path.is_dir():
+            raise FileNotFoundError(f"{path}: member {member!r} is not a folder ({member_path.absolute()})")
+    return {**manifest, "member_paths": paths}
+
+
+def write_ensemble_manifest(
+    folder: str | Path, members: list[str], aggregation: str = "mean", coef: float = 1.0, **extra: Any
+) -> Path:
+    """Write ``folder/ensemble.json`` naming the member folders (relative to ``folder``, or absolute: reward
+    models exported elsewhere) and the default aggregation; ``extra`` keys are recorded as given."""
+    if aggregation not in ENSEMBLE_AGGREGATIONS:
+        raise ValueError(
+            f"write_ensemble_manifest: aggregation must be one of {list(ENSEMBLE_AGGREGATIONS)}, got {aggregation!r}"
+        )
+    if len(members) < 2:
+        raise ValueError(f"write_ensemble_manifest: an ensemble needs at least 2 members, got {members!r}")
+    path = Path(folder) / ENSEMBLE_MANIFEST
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "members": [str(m) for m in members],
+                "aggregation": aggregation, "coef": float(coef), **extra}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def check_member_tokenizers(tokenizers: list[Any], members: list[ModelSpec]) -> None:
+    """Every member's tokenizer is the first member's (same vocabulary and special tokens): the members
+    score the same token ids. Raises ``ValueError`` naming the first member that differs."""
+    first = tokenizers[0]
+    reference = (first.get_vocab(), first.eos_token_id, first.pad_token_id)
+    for i, tok in enumerate(tokenizers[1:], start=1):
+        if (tok.get_vocab(), tok.eos_token_id, tok.pad_token_id) != reference:
+            raise ValueError(
+                f"reward_model.ensemble[{i}] ({members[i].tokenizer_name_or_path}): its tokenizer differs from member"
+                f" 0's ({members[0].tokenizer_name_or_path}); an ensemble's members must share one tokenizer"
+            )

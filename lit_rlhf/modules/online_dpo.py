@@ -1,0 +1,287 @@
+"""Online DPO on the online base: the DPO loss on pairs the current policy samples and the reward source ranks
+(Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", arXiv 2402.04792, Algorithm 1;
+TRL's ``OnlineDPOTrainer``).
+
+One ``training_step`` = one rollout: sample K >= 2 responses per prompt from the current policy, score them
+with the reward model, the ensemble or the reward function, take each prompt's best as chosen and its worst
+as rejected (``functional.best_worst_pairs``; a tie gives no pair and no gradient, and is counted), then run
+``update.epochs`` passes of the DPO (or IPO) loss of ``functional.dpo_loss`` over minibatches of whole
+prompts. The reference is a frozen copy of the initial policy, or the actor with its LoRA adapters disabled,
+as in :class:`~lit_rlhf.modules.DPOModule`; its log-probs come from the rollout's scoring forward. Policy
+and reference log-probs are taken at ``generation.temperature`` (1.0 by default), as in every online module.
+
+Metrics, TRL's names under ``dpo/``: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
+``rewards/accuracies`` (the implicit rewards beta * log pi/pi_ref), ``logps/chosen``, ``logps/rejected``,
+``scores_margin`` (TRL's ``objective/scores_margin``: the reward source's chosen - rejected), ``beta``;
+``pairs`` and ``ties`` (prompts with and without a pair, over all ranks); ``policy_kl`` and ``ratio_mean``
+(the update's drift from the rollout policy), ``lr_actor``. The rollout metrics are the base's:
+``rollout/score`` (TRL's ``objective/scores``), ``rollout/kl_ref`` (``objective/kl``), ``rollout/entropy``,
+``rollout/reward`` = score - beta * KL (``objective/rlhf_reward``), ``rollout/eos_rate``.
+
+Shapes: G prompts, K samples per prompt, B = G*K rollout rows, T response length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from typing_extensions import override
+
+from lit_rlhf import functional as F
+from lit_rlhf.models import ModelSpec
+from lit_rlhf.modules.dpo import DPO_METRICS
+from lit_rlhf.modules.online import OnlineRLModule
+from lit_rlhf.modules.online_settings import KLSettings, UpdateSettings
+from lit_rlhf.modules.optim import PolicyAdamW
+from lit_rlhf.rollout import GenerationSettings, Rollout
+from lit_rlhf.settings import Settings
+
+ONLINE_DPO_LOSS_STATS = ("loss", *DPO_METRICS, "scores_margin", "policy_kl", "ratio_mean")
+
+
+@dataclass
+class PreferenceSettings(Settings):
+    """The preference loss of online DPO (``functional.dpo_loss``).
+
+    Attributes:
+        beta: > 0, the strength of the implicit KL constraint to the reference (DPO's beta, IPO's tau).
+        loss_type: ``sigmoid`` (DPO, Rafailov et al. 2023, arXiv 2305.18290 eq. 7) or ``ipo`` (Azar et al.
+            2023, arXiv 2310.12036 eq. 17, on length-averaged log-probs).
+        label_smoothing: in [0, 0.5), the assumed probability that the ranking is wrong (conservative DPO;
+            ``sigmoid`` only).
+    """
+
+    group: ClassVar[str] = "preference"
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.require_finite("beta", "label_smoothing")
+        self.require("beta", self.beta > 0, "> 0")
+        self.require_choice("loss_type", ("sigmoid", "ipo"))
+        self.require("label_smoothing", 0 <= self.label_smoothing < 0.5, "in [0, 0.5)")
+        if self.loss_type == "ipo":
+            self.require("label_smoothing", self.label_smoothing == 0, "0 with loss_type='ipo'")
+
+
+@dataclass
+class OnlineDPOUpdate(UpdateSettings):
+    """:class:`UpdateSettings` of online DPO: by default one optimiser step per rollout (Guo et al. 2024).
+
+    DPO's loss has no ratio to clip and no advantages: ``clip_coef`` is not used, ``clip_coef_high``,
+    ``ent_coef``, ``importance_sampling_level`` and ``loss_aggregation`` (the loss is a mean over the
+    rollout's pairs) must keep their defaults, and the engine/trainer correction (``is_correction``) is off
+    (``auto`` and ``none`` mean none). ``ratio_threshold`` (None here) still skips a minibatch whose
+    policy drifted that far from the rollout policy over several epochs.
+    """
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    ratio_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, default in (("clip_coef_high", None), ("ent_coef", 0.0), ("importance_sampling_level", "token"),
+                              ("loss_aggregation", "token_mean")):  # fmt: skip
+            self.require(
+                name, getattr(self, name) == default, f"{default!r} (it does not apply to online DPO)"
+            )
+        mode = self.is_correction.mode
+        if mode not in ("auto", "none"):
+            raise ValueError(
+                f"update.is_correction.mode must be 'auto' or 'none' for online DPO (no ratio to weight), got {mode!r}"
+            )
+        self.is_correction = dataclasses.replace(self.is_correction, mode="none")
+
+
+@dataclass
+class OnlineDPOKL(KLSettings):
+    """:class:`KLSettings` of online DPO: only ``estimator`` (of the logged ``rollout/kl_ref``) applies. The
+    KL to the reference is DPO's own (``preference.beta``), so there is no penalty in the reward (``coef`` 0)
+    and no KL loss term (``loss_coef`` 0)."""
+
+    coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("coef", "loss_coef"):
+            self.require(
+                name, getattr(self, name) == 0, "0: online DPO's KL to the reference is preference.beta"
+            )
+
+
+class OnlineDPOModule(OnlineRLModule):
+    """Online DPO: the DPO loss on the current policy's own samples, ranked by the reward source.
+
+    Besides its own arguments below it takes every argument of
+    :class:`~lit_rlhf.modules.online.OnlineRLModule` (``reference``, ``reward_model`` (one model or an
+    ensemble) / ``reward_fn``, ``monitor_reward_fn``, ``engine``, ``scoring``, ``samples``, ``evaluation``,
+    ``max_rollouts``, ``rng_seed``).
+
+    Args:
+        actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
+        preference: the loss (``PreferenceSettings``: beta, loss_type sigmoid or ipo, label_smoothing).
+        generation: sampling settings; None = ``GenerationSettings(num_samples=2)``. ``num_samples`` is K >= 2,
+            the responses ranked per prompt (best vs worst); ``scoring.forward_batch_size`` must be a multiple
+            of K (a prompt's pair is scored in one micro-batch).
+        update: the update phase (``OnlineDPOUpdate``: epochs, minibatches of whole prompts, gradient clip).
+        kl: ``OnlineDPOKL``: only ``estimator`` (of the logged ``rollout/kl_ref``) applies; the KL to the
+            reference is DPO's ``preference.beta``, so ``coef`` and ``loss_coef`` are 0.
+        actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
+        actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
+    """
+
+    metric_prefix = "dpo"
+    loss_stats = ONLINE_DPO_LOSS_STATS
+    extra_metrics = ("pairs", "ties")
+    settings_groups: ClassVar[dict] = {
+        **OnlineRLModule.settings_groups, "update": OnlineDPOUpdate, "kl": OnlineDPOKL,
+        "preference": PreferenceSettings,
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        actor: ModelSpec | dict | str,
+        preference: PreferenceSettings | dict | None = None,
+        generation: GenerationSettings | dict | None = None,
+        update: OnlineDPOUpdate | dict | None = None,
+        kl: OnlineDPOKL | dict | None = None,
+        actor_optimizer: OptimizerCallable = PolicyAdamW,
+        actor_scheduler: LRSchedulerCallable | None = None,
+        **kwargs: Any,
+    ) -> None:
+        generation = GenerationSettings(num_samples=2) if generation is None else generation
+        super().__init__(
+            actor=actor, preference=preference, generation=generation, update=update, kl=kl, **kwargs
+        )
+        self.factories = ((actor_optimizer, actor_scheduler),)
+        # (B,) +1 chosen, -1 rejected, 0 in no pair: each row's role while the update runs
+        self.pair_roles: torch.Tensor | None = None
+
+    @override
+    def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
+        """The base's checked settings groups, then the pairs' own checks (before any model is loaded)."""
+        engine = super().configure_settings(groups, engine, reward_model, reward_fn, max_rollouts)
+        self.check_pairs_settings()
+        return engine
+
+    def check_pairs_settings(self) -> None:
+        """Refuse settings under which a prompt has no pair, or its pair is split across micro-batches."""
+        name, K = type(self).__name__, self.num_samples
+        if K < 2:
+            raise ValueError(
+                f"{name}: generation.num_samples must be >= 2 (a pair of responses per prompt), got {K}"
+            )
+        if self.scoring.forward_batch_size % K:
+            raise ValueError(
+                f"{name}: scoring.forward_batch_size ({self.scoring.forward_batch_size}) must be a multiple of "
+                f"generation.num_samples ({K}): a prompt's responses are scored in one micro-batch"
+            )
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.restore_rng()
+        # 1. Generate K >= 2 responses per prompt with the current policy (each prompt's K rows contiguous).
+        sample = self.sample(batch)
+        ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
+        # 2. Score without gradients: old and reference log-probs, entropy, and the sequence scores.
+        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T)
+        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
+        # 3. Rank each prompt's responses: chosen = the best kept score, rejected = the worst; a tie has no pair.
+        chosen, rejected, paired = F.best_worst_pairs(scores, self.num_samples, keep)  # (G,), (G,), (G,)
+        self.pair_roles = self.log_pairs(scores, chosen, rejected, paired)  # (B,)
+        # 4. update.epochs passes of the preference loss over minibatches of whole prompts (no advantages).
+        rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, torch.zeros_like(old_logprobs), scores)
+        self.buffer.put(rollout, group_size=self.num_samples)
+        self.run_update_epochs(self.preference_loss, [(self.optimizers(), self.actor)])
+        self.buffer.clear()
+        self.pair_roles = None
+        # 5. Rollout statistics (rollout/reward = score - beta * KL, TRL's objective/rlhf_reward), schedules,
+        #    metrics and samples.
+        kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
+        sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
+        self.log_rollout_stats(sample, scores, scores - self.preference.beta * sequence_kl, kl, entropy, old_logprobs)
+        for scheduler in self.lr_schedulers_list():
+            scheduler.step()
+        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
+
+    def log_pairs(self, scores, chosen, rejected, paired) -> torch.Tensor:
+        """Log the rollout's prompts with and without a pair (``pairs``, ``ties``, over all ranks); returns
+        the (B,) role of each row: +1 chosen, -1 rejected, 0 in no pair."""
+        counts = torch.stack([paired.sum(), (~paired).sum()]).float()  # (2,)
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")  # (2,) every rank's
+        self.update_metrics.update({"pairs": counts[0], "ties": counts[1]})
+        roles = torch.zeros_like(scores, dtype=torch.long)  # (B,)
+        roles[chosen[paired]], roles[rejected[paired]] = 1, -1
+        return roles
+
+    def preference_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The DPO / IPO loss of one micro-batch's pairs (whole prompts), 0 with no gradient without any."""
+        mask, T, K, pref = part.loss_mask, part.response_mask.shape[1], self.num_samples, self.preference
+        layout = self.shared_prefix_layout(part.input_ids, part.attention_mask, T)
+        logprobs, _ = self.actor_forward(
+            self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, layout, entropy=False
+        )  # (b, T)
+        drift = {
+            "policy_kl": F.masked_mean(part.old_logprobs - logprobs.detach(), mask),
+            "ratio_mean": F.masked_mean(torch.exp(logprobs.detach() - part.old_logprobs), mask),
+        }
+        chosen, rejected = pair_rows(self.pair_roles[part.rows], K)  # (p,), (p,)
+        if chosen.numel() == 0:
+            zeros = {name: torch.zeros((), device=logprobs.device) for name in ONLINE_DPO_LOSS_STATS}
+            return logprobs.sum() * 0.0, {**zeros, **drift}
+        policy = sequence_logps(logprobs, mask, pref.loss_type)  # (b,)
+        reference = sequence_logps(part.ref_logprobs, mask, pref.loss_type)  # (b,)
+        loss, stats = F.dpo_loss(
+            policy[chosen], policy[rejected], reference[chosen], reference[rejected], pref.beta, pref.loss_type,
+            pref.label_smoothing,
+        )  # fmt: skip
+        scores_margin = (part.scores[chosen] - part.scores[rejected]).mean()
+        return loss, {**stats, "loss": loss.detach(), "scores_margin": scores_margin, **drift}
+
+    @override
+    def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:
+        """The micro-batch's share of the minibatch's pairs (the loss is a mean over pairs); a minibatch
+        without pairs (its loss is 0) weighs its drift statistics by learned tokens."""
+        in_part = (self.pair_roles[part.rows] == 1).sum()
+        in_minibatch = (self.pair_roles[mb.rows] == 1).sum()
+        if in_minibatch == 0:
+            return super().micro_batch_weight(part, mb)
+        return in_part / in_minibatch
+
+    @override
+    def schedule_metrics(self) -> dict[str, torch.Tensor]:
+        metrics = super().schedule_metrics()
+        metrics["lr_actor"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
+        metrics["beta"] = torch.tensor(self.preference.beta)
+        return metrics
+
+    @override
+    def configure_optimizers(self):
+        return self.optimizers_and_schedulers([self.actor], self.factories)
+
+
+def pair_rows(roles: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b,) roles of whole groups of K consecutive rows (+1 chosen, -1 rejected, 0) -> the (p,) rows of each
+    paired group's chosen and of its rejected response."""
+    grouped = roles.view(-1, group_size)  # (g, K)
+    paired = (grouped == 1).any(dim=1)  # (g,)
+    offsets = torch.arange(grouped.shape[0], device=roles.device) * group_size  # (g,)
+    chosen = offsets + (grouped == 1).long().argmax(dim=1)  # (g,)
+    rejected = offsets + (grouped == -1).long().argmax(dim=1)  # (g,)
+    return chosen[paired], rejected[paired]
+
+
+def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """(b, T) token log-probs -> (b,) sequence log-probs over the learned tokens: summed (DPO) or averaged
+    over them (IPO's per-token log-likelihoods, as ``DPOModule``)."""
+    total = F.masked_row_sum(logprobs, mask)  # (b,)
+    if loss_type == "ipo":
+        return total / mask.sum(dim=1).clamp(min=1)  # (b,)
+    return total

@@ -1,0 +1,143 @@
+"""Reward-model ensembles' math (aggregations, spread, bootstrap weights, weighted pairwise loss) and online
+DPO's pairs, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lit_rlhf import functional as F
+
+# 3 members x 2 responses: response 0 scored 1, 2, 3 (mean 2, deviations -1, 0, 1: variance 2/3);
+# response 1 scored 4, 0, 2 (mean 2, deviations 2, -2, 0: variance 8/3)
+SCORES = torch.tensor([[1.0, 4.0], [2.0, 0.0], [3.0, 2.0]])
+
+
+def test_aggregations_by_hand():
+    std0, std1 = math.sqrt(2 / 3), math.sqrt(8 / 3)
+    torch.testing.assert_close(F.ensemble_std(SCORES), torch.tensor([std0, std1]))
+    torch.testing.assert_close(F.aggregate_ensemble(SCORES, "mean"), torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(F.aggregate_ensemble(SCORES, "min"), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(
+        F.aggregate_ensemble(SCORES, "mean_minus_std", 0.5), torch.tensor([2 - std0 / 2, 2 - std1 / 2])
+    )
+    torch.testing.assert_close(
+        F.aggregate_ensemble(SCORES, "mean_minus_var", 1.0), torch.tensor([2 - 2 / 3, 2 - 8 / 3])
+    )
+    # coef 0: the mean; min and mean ignore the coefficient
+    torch.testing.assert_close(F.aggregate_ensemble(SCORES, "mean_minus_std", 0.0), torch.tensor([2.0, 2.0]))
+    assert torch.equal(F.aggregate_ensemble(SCORES, "min", 7.0), F.aggregate_ensemble(SCORES, "min"))
+    # one member: no spread; float32 out of bf16 in
+    assert torch.equal(F.ensemble_std(torch.tensor([[3.0, -1.0]])), torch.zeros(2))
+    assert F.aggregate_ensemble(SCORES.bfloat16(), "mean").dtype == torch.float32
+
+
+def test_a_non_finite_member_score_makes_the_aggregate_non_finite():
+    scores = torch.tensor([[1.0, 2.0], [float("nan"), 1.0], [0.0, 3.0]])
+    for aggregation in F.ENSEMBLE_AGGREGATIONS:
+        out = F.aggregate_ensemble(scores, aggregation)
+        assert math.isnan(out[0]) and math.isfinite(out[1]), aggregation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"aggregation": "median"}, "`aggregation` must be one of"),
+        ({"aggregation": "mean_minus_std", "coef": -1.0}, "`coef` must be >= 0"),
+        ({"aggregation": "mean_minus_std", "coef": float("inf")}, "`coef` must be finite"),
+    ],
+)
+def test_aggregation_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        F.aggregate_ensemble(SCORES, **kwargs)
+
+
+def test_scores_must_be_members_by_responses():
+    with pytest.raises(ValueError, match=r"`scores` must be \(K, B\)"):
+        F.aggregate_ensemble(torch.ones(4), "mean")
+    with pytest.raises(ValueError, match=r"`scores` must be \(K, B\)"):
+        F.ensemble_std(torch.ones(0, 3))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.lists(st.floats(-100, 100), min_size=3, max_size=3), min_size=2, max_size=5), st.floats(0, 3)
+)
+def test_conservative_aggregates_never_exceed_the_mean(rows, coef):
+    scores = torch.tensor(rows, dtype=torch.float64)  # (K, 3)
+    mean = F.aggregate_ensemble(scores, "mean")
+    for aggregation in ("min", "mean_minus_std", "mean_minus_var"):
+        assert bool((F.aggregate_ensemble(scores, aggregation, coef) <= mean + 1e-9).all()), aggregation
+    # members in any order give the same aggregate
+    flipped = scores.flip(0)
+    for aggregation in F.ENSEMBLE_AGGREGATIONS:
+        torch.testing.assert_close(
+            F.aggregate_ensemble(flipped, aggregation, coef), F.aggregate_ensemble(scores, aggregation, coef)
+        )
+
+
+def test_bootstrap_weights_are_poisson_counts_of_seed_and_row():
+    rows = torch.arange(20000)
+    weights = F.poisson_bootstrap_weights(rows, [0, 1, 2])  # (3, 20000)
+    assert weights.shape == (3, 20000) and weights.dtype == torch.float32
+    assert torch.equal(weights, weights.round()) and bool((weights >= 0).all())
+    # Poisson(1): mean 1, variance 1, P(0) = e^-1 (20000 draws: standard errors ~0.007, 0.01, 0.0034)
+    assert torch.allclose(weights.mean(1), torch.ones(3), atol=0.04)
+    assert torch.allclose(weights.var(1), torch.ones(3), atol=0.06)
+    assert torch.allclose((weights == 0).float().mean(1), torch.full((3,), math.exp(-1)), atol=0.02)
+    # a function of (seed, row) alone: the same in any batch, order or epoch; members differ
+    some = torch.tensor([7, 123, 5, 7])
+    again = F.poisson_bootstrap_weights(some, [0, 1, 2])
+    assert torch.equal(again, weights[:, [7, 123, 5, 7]])
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
+    assert torch.equal(F.poisson_bootstrap_weights(some, torch.tensor([2])), weights[2:, [7, 123, 5, 7]])
+
+
+def test_bootstrap_weights_refuse_bad_rows():
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        F.poisson_bootstrap_weights(torch.tensor([0.0, 1.0]), [0])
+    with pytest.raises(ValueError, match=">= 0"):
+        F.poisson_bootstrap_weights(torch.tensor([3, -1]), [0])
+
+
+def test_weighted_pairwise_loss_by_hand():
+    chosen, rejected = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 0.0, 3.0])
+    losses = -torch.nn.functional.logsigmoid(torch.tensor([1.0, 0.0, -1.0]))
+    loss, _ = F.pairwise_reward_loss(chosen, rejected, weights=torch.tensor([2.0, 0.0, 1.0]))
+    torch.testing.assert_close(loss, (2 * losses[0] + losses[2]) / 3)
+    # weight 2 = the pair twice; weights of 1 = unweighted; all 0 = no loss
+    twice, _ = F.pairwise_reward_loss(torch.tensor([1.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 3.0]))
+    torch.testing.assert_close(loss, twice)
+    plain, _ = F.pairwise_reward_loss(chosen, rejected)
+    ones, _ = F.pairwise_reward_loss(chosen, rejected, weights=torch.ones(3))
+    torch.testing.assert_close(ones, plain)
+    zero, _ = F.pairwise_reward_loss(chosen, rejected, weights=torch.zeros(3))
+    assert zero == 0.0
+    with pytest.raises(ValueError, match="`weights` must be >= 0"):
+        F.pairwise_reward_loss(chosen, rejected, weights=torch.tensor([1.0, -1.0, 1.0]))
+
+
+def test_best_worst_pairs_by_hand():
+    # K = 3: group 0 picks rows 1 (3.0) and 0 (1.0); group 1 ties; group 2's first maximum (row 6) and first
+    # minimum (row 7); group 3's NaN row is dropped (keep), leaving rows 10 (4.0) and 11 (-1.0)
+    scores = torch.tensor([1.0, 3.0, 2.0, 5.0, 5.0, 5.0, 2.0, 0.0, 2.0, float("nan"), 4.0, -1.0])
+    keep = torch.isfinite(scores)
+    chosen, rejected, paired = F.best_worst_pairs(scores, 3, keep)
+    assert paired.tolist() == [True, False, True, True]
+    assert chosen[paired].tolist() == [1, 6, 10] and rejected[paired].tolist() == [0, 7, 11]
+    # without keep a NaN row cannot be ranked: no pair for its group
+    _, _, paired = F.best_worst_pairs(scores, 3)
+    assert paired.tolist() == [True, False, True, False]
+    # one kept response: no pair; K = 2 pairs a prompt's two responses
+    _, _, paired = F.best_worst_pairs(torch.tensor([1.0, 2.0]), 2, torch.tensor([True, False]))
+    assert paired.tolist() == [False]
+    chosen, rejected, paired = F.best_worst_pairs(torch.tensor([0.5, -0.5, -2.0, 1.0]), 2)
+    assert (chosen.tolist(), rejected.tolist(), paired.tolist()) == ([0, 3], [1, 2], [True, True])
+    with pytest.raises(ValueError, match="`group_size` must be >= 2"):
+        F.best_worst_pairs(scores, 1)
+    with pytest.raises(ValueError, match="cannot be split into groups"):
+        F.best_worst_pairs(scores, 5)
