@@ -222,7 +222,17 @@ def test_grpo_fit_logs_the_same_metrics(tokenizer_dir, tmp_path, monkeypatch):
         trainer(tmp_path / mode).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
         rows[mode] = read_metrics(tmp_path / mode)
     assert len(rows["always"]) == 4 and len(prefills) == 4, "each rollout of the second fit was shared"
-    assert rows["always"] == rows["never"]
+    # The same tokens and every metric of them; the engine-vs-trainer mismatch statistics compare the
+    # behaviour log-probs of the shared prefill's logits, equal to float rounding only (on an Intel Xeon
+    # with AMX they differ by ~1e-8, on an AMD EPYC they were equal)
+    rounding = ("rollout/logprob_diff_", "rollout/is_ratio_")
+    for shared, unshared in zip(rows["always"], rows["never"]):
+        assert set(shared) == set(unshared)
+        for key, value in unshared.items():
+            if key.startswith(rounding):
+                assert shared[key] == pytest.approx(value, abs=1e-6), key
+            else:
+                assert shared[key] == value, key
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
