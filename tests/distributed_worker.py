@@ -6,7 +6,8 @@
 
 ``--runs`` (comma-separated; one launch runs them in turn, each from ``seed_everything(0)``): ``ppo``, a
 reward-model fit and PPO fits (full fine-tuning with a separate critic; LoRA with a shared backbone);
-``grpo``, a GRPO fit (K = 2 sampled responses per prompt); ``dpo``, DPO fits (live and precomputed
+``grpo``, a GRPO fit (K = 2 sampled responses per prompt); ``multiturn``, a GRPO fit on episodes that end
+at a different turn on each rank; ``dpo``, DPO fits (live and precomputed
 reference); under ``--resume`` also PPO saved after one rollout and resumed. Every run uses the same
 global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
 the first rollout's greedy responses (keyed by prompt) and the wall time per rollout, after releasing its
@@ -272,9 +273,10 @@ GRPO_KEYS = (
 )  # fmt: skip
 
 
-def grpo_module(args, samples: dict | None = None) -> RowSeededGRPO:
-    """The GRPO of these tests (K = 2); ``samples``: its sample-table settings (default: none)."""
-    return RowSeededGRPO(
+def grpo_module(args, samples: dict | None = None, cls: type = None, **extra) -> RowSeededGRPO:
+    """The GRPO of these tests (K = 2); ``samples``: its sample-table settings (default: none); ``cls``:
+    another module class (default RowSeededGRPO), ``extra``: more arguments."""
+    return (cls or RowSeededGRPO)(**extra,
         actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
         reward_fn="ppo_rewards:e_rate",
         generation=GenerationSettings(max_new_tokens=6, num_samples=2),
@@ -292,6 +294,17 @@ def run_grpo(args, tok) -> dict:
     make_trainer(args, "grpo", max_epochs=3).fit(module, prompt_loader(args, tok))
     rows = [r for r in read_csv(args.out, "grpo") if "policy/policy_loss" in r]
     return {"metrics": {key: [r[key] for r in rows] for key in GRPO_KEYS}}
+
+
+def run_multiturn(args, tok) -> dict:
+    """GRPO on episodes that last 1 turn on rank 0 and 2 on rank 1 (``ppo_rewards:RankTurns``): rank 0 keeps
+    generating (dummy turns) while rank 1's episodes go on, so the collective generation never hangs."""
+    seed_everything(0)
+    # the plain module: RowSeededGRPO generates row by row, as many calls as a rank has running episodes
+    module = grpo_module(args, cls=CriticFreeModule, environment={"env": "ppo_rewards:RankTurns", "max_turns": 3})
+    make_trainer(args, "multiturn", max_epochs=1).fit(module, prompt_loader(args, tok))
+    rows = [r for r in read_csv(args.out, "multiturn") if "rollout/turns" in r]
+    return {"turns": [r["rollout/turns"] for r in rows]}
 
 
 # -- DPO ---------------------------------------------------------------------------------------------
@@ -337,8 +350,8 @@ def main() -> None:
     parser.add_argument("--runs", default="ppo", help="comma-separated, in this order: ppo (RM + PPO runs), grpo, dpo")
     args = parser.parse_args()
     runs = args.runs.split(",")
-    if not runs or not set(runs) <= {"ppo", "grpo", "dpo"}:
-        parser.error(f"--runs: a comma-separated list of ppo, grpo, dpo, got {args.runs!r}")
+    if not runs or not set(runs) <= {"ppo", "grpo", "dpo", "multiturn"}:
+        parser.error(f"--runs: a comma-separated list of ppo, grpo, dpo, multiturn, got {args.runs!r}")
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(args.tokenizer)
@@ -349,6 +362,8 @@ def main() -> None:
         results["ppo_lora"] = run_ppo(args, tok, "ppo_lora", lora=True)
     if "grpo" in runs:
         results["grpo"] = run_grpo(args, tok)
+    if "multiturn" in runs:
+        results["multiturn"] = run_multiturn(args, tok)
     if "dpo" in runs:
         results["dpo"] = run_dpo(args, "dpo", False)
         results["dpo_precomputed"] = run_dpo(args, "dpo_pre", True)

@@ -45,3 +45,17 @@ def always_nan(prompts: list[str], responses: list[str]) -> list[float]:
 def target_count(completions: list[str], target: list[str], **kwargs) -> list[float]:
     """TRL's form: how often each completion contains its prompt row's ``target`` string (a column)."""
     return [float(completion.count(t)) for completion, t in zip(completions, target)]
+
+
+class RankTurns:
+    """A multi-turn environment (``ppo_rewards:RankTurns``) whose episodes on data-parallel rank r last r + 1
+    turns: ranks end their episodes at different turns (the distributed tests' multi-turn GRPO)."""
+
+    def reset(self, row):
+        import torch.distributed as dist
+
+        self.turns = 1 + (dist.get_rank() if dist.is_initialized() else 0)
+
+    def step(self, response):
+        self.turns -= 1
+        return (None, 1.0, True) if self.turns == 0 else (" and the", 0.0, False)

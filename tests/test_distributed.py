@@ -26,7 +26,7 @@ WORKER = Path(__file__).parent / "distributed_worker.py"
 STRATEGIES = ["ddp", "fsdp2", "fsdp1"]
 TOL = 1e-4
 # the worker's runs per launch (each strategy launched once: a launch's start-up costs ~6 s of two cores)
-RUNS = {"single": "ppo,grpo,dpo", "ddp": "ppo,dpo", "fsdp2": "ppo,grpo,dpo", "fsdp1": "ppo"}
+RUNS = {"single": "ppo,grpo,dpo", "ddp": "ppo,dpo", "fsdp2": "ppo,grpo,multiturn,dpo", "fsdp1": "ppo"}
 TIMEOUT = 400  # seconds per launch (~20-50 s each on two busy cores): a hang fails the test, killed
 
 
@@ -122,3 +122,10 @@ def test_dpo_losses_equal_single_process(run, strategy):
     assert_close_lists(single["dpo_precomputed"]["train/loss"], single["dpo"]["train/loss"], "precomputed vs live")
     losses = single["dpo"]["train/loss"]
     assert abs(losses[0] - 0.693147) < 1e-5 and losses[-1] < losses[0], losses
+
+
+def test_fsdp2_episodes_ending_at_different_turns_per_rank_do_not_hang(run):
+    # rank 0's episodes end after one turn, rank 1's after two: rank 0 keeps the collective generation in
+    # step with discarded turns (a hang is killed at TIMEOUT and fails the launch)
+    turns = run("fsdp2")["multiturn"]["turns"]
+    assert turns and all(t == pytest.approx(1.5) for t in turns), turns

@@ -485,3 +485,35 @@ def test_a_failing_construction_or_reset_is_named(tokenizer_dir):
     settings = EnvironmentSettings(env="x:y", kwargs={"size": 3})
     with pytest.raises(RuntimeError, match="reset of episode 0 raised KeyError: 'answer'"):
         episodes(tok, NeedsArgs, engine, ["the movie"], settings)
+
+
+def test_a_rank_whose_episodes_ended_keeps_generating_while_another_ranks_run(tokenizer_dir):
+    # a sharded / synced_gpus generation is collective: this rank's episodes end after turn 1, another rank's
+    # go on to turn 3, so this rank makes two discarded calls and its episodes are unchanged
+    tok = load_tokenizer(tokenizer_dir)
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [ids_of(tok, " good")[0]] * 3)
+
+    class Once(Environment):
+        def step(self, response):
+            return StepResult(None, reward=1.0, done=True)
+
+    other_rank_turns = iter([True, True, False])  # the other rank runs turns 2 and 3
+    settings = EnvironmentSettings(env="x:y", max_turns=4)
+    ids, mask = prompts_of(tok, ["the movie", "a room"])
+    envs, ids, mask = open_episodes(Once, settings, [{"prompt": "x"}] * 2, tok, ids, mask)
+    out = run_episodes(engine, tok, envs, ids, mask, GenerationSettings(max_new_tokens=6), settings,
+                       any_running=lambda mine: mine or next(other_rank_turns))  # fmt: skip
+    assert [len(c) for c in engine.contexts] == [2, 1, 1], "turn 1, then one dummy row per turn the other rank runs"
+    assert out.turns.tolist() == [1, 1] and int(out.responses.mask.sum()) == 6
+
+
+def test_an_environment_needs_only_step(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [tok.eos_token_id])
+
+    class Plain:  # no base class, no reset, no close
+        def step(self, response):
+            return None, 2.0, True
+
+    out, *_ = episodes(tok, Plain, engine, ["the movie"])
+    assert out.rewards.tolist() == [2.0] and out.turns.tolist() == [1]

@@ -98,7 +98,7 @@ def open_episodes(
         try:
             env = env_cls(**settings.kwargs)
             what = "reset"
-            opened = env.reset(dict(row))
+            opened = env.reset(dict(row)) if callable(getattr(env, "reset", None)) else None
         except Exception as err:
             raise RuntimeError(f"{name}: {what} of episode {i} raised {type(err).__name__}: {err}") from err
         opened = check_reset(opened, f"{name} (episode {i})")
@@ -130,6 +130,7 @@ def run_episodes(
     generation: Any,
     settings: EnvironmentSettings,
     greedy: bool = False,
+    any_running: Callable[[bool], bool] | None = None,
 ) -> Episodes:
     """Run the episodes to their end: model turns from ``generate`` and environment steps in turn.
 
@@ -143,6 +144,10 @@ def run_episodes(
             ``stop_strings`` are added to its own.
         settings: the episode limits (``max_turns``, ``max_total_tokens``).
         greedy: argmax decoding (evaluation).
+        any_running: whether this or any other data-parallel rank still has an episode running (given this
+            rank's answer; None = one process). A sharded or ``synced_gpus`` generation is collective: a rank
+            whose episodes have all ended generates a dummy turn (discarded) for as long as another
+            rank's go on, so every rank makes as many engine calls, all with the same length limit.
     """
     B, device, pad = prompts.shape[0], prompts.device, tokenizer.pad_token_id
     budget = settings.token_budget(generation.max_new_tokens)
@@ -150,9 +155,15 @@ def run_episodes(
     state = [_Episode(p[m.bool()]) for p, m in zip(prompts, prompt_mask)]
     active = list(range(B))
     for turn in range(settings.max_turns):
-        if not active:
+        if not (active if any_running is None else any_running(bool(active))):
             break
-        room = max(budget - state[i].length for i in active)
+        if not active:  # another rank's episodes go on: keep its collective generation in step
+            ids, mask = left_pad([state[0].context()], pad)
+            generate(ids.to(device), mask.to(device), replace(turn_settings, num_samples=1), greedy)
+            continue
+        # one process: no longer a turn than the most room left; several: every rank the same limit (its
+        # turns are cut at each episode's budget below)
+        room = max(budget - state[i].length for i in active) if any_running is None else budget
         step_settings = replace(turn_settings, max_new_tokens=min(turn_settings.max_new_tokens, room))
         if turn == 0:
             ids, mask = prompts, prompt_mask
@@ -167,8 +178,10 @@ def run_episodes(
             if _play_turn(state[i], envs[i], out, row, budget, tokenizer, f"episode {i}, turn {turn + 1}", last):
                 still.append(i)
         active = still
-    for env in envs:
-        env.close()
+    for env in envs:  # an environment need not subclass Environment: reset and close are optional
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
     return _assemble(state, pad, device, greedy)
 
 

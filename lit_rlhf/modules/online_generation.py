@@ -124,7 +124,8 @@ class OnlineGeneration(LightningModule):
                 self.env_cls, self.environment, rows, self.tokenizer, prompts, prompt_mask, settings.num_samples
             )
             episodes = run_episodes(
-                self.generate, self.tokenizer, envs, prompts, prompt_mask, settings, self.environment, greedy
+                self.generate, self.tokenizer, envs, prompts, prompt_mask, settings, self.environment, greedy,
+                any_running=self.any_rank_running if self.trainer.world_size > 1 else None,
             )
             responses = episodes.responses
         else:
@@ -133,6 +134,11 @@ class OnlineGeneration(LightningModule):
         attention_mask = torch.cat([prompt_mask, responses.mask.long()], dim=1)
         loss_mask = responses.mask if responses.loss_mask is None else responses.loss_mask & responses.mask
         return Sample(prompts, prompt_mask, responses, input_ids, attention_mask, loss_mask, columns, episodes)
+
+    def any_rank_running(self, running: bool) -> bool:
+        """Whether any data-parallel rank still has an episode running (one all-reduce)."""
+        flag = torch.tensor(float(running), device=self.device)
+        return bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
 
     def episode_rows(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, columns: dict[str, list] | None) -> list[dict]:
         """Per rollout row, what its environment's ``reset`` gets: the row's columns and ``prompt`` (its text)."""
