@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import gpt2_config
 from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
-from test_ppo import StopAfter, read_metrics
+from test_ppo import assert_resumed_rows_equal, read_metrics, uninterrupted_and_resumed
 
 from lit_rlhf.models import ModelSpec
 from lit_rlhf.rollout import GenerationSettings
@@ -152,15 +152,9 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
         )
         return read_metrics(root)
 
-    full = run(tmp_path / "full")
-    run(tmp_path / "part", callbacks=[StopAfter(2)])
-    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    full, resumed = uninterrupted_and_resumed(run, tmp_path)
     assert len(full) == 4 and len(resumed) == 2
-    for a, b in zip(full[2:], resumed):
-        assert set(a) == set(b)
-        for key in a:
-            if key not in ("epoch", "step"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert_resumed_rows_equal(full, resumed)
 
 
 @pytest.mark.parametrize("kind", ["ppo", "critic_free"])

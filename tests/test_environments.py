@@ -397,7 +397,7 @@ def test_an_environment_alone_scores_the_episodes(tokenizer_dir, tmp_path):
 def test_ppo_on_multi_turn_episodes_resumes_exactly(tokenizer_dir, tmp_path, prompt_file):
     # GAE over the model's tokens (the observation is a hole) and the environment's reward in the score;
     # 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics
-    from test_critic_free import StopAfter
+    from test_ppo import assert_resumed_rows_equal, uninterrupted_and_resumed
 
     from lit_rlhf.data import PromptDataModule
 
@@ -409,16 +409,10 @@ def test_ppo_on_multi_turn_episodes_resumes_exactly(tokenizer_dir, tmp_path, pro
         trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(module, data, ckpt_path=ckpt_path)
         return read_metrics(root)
 
-    full = run(tmp_path / "full")
+    full, resumed = uninterrupted_and_resumed(run, tmp_path)
     assert all(r["rollout/turns"] == 2 and r["rollout/env_reward"] == 0.5 for r in full)
-    run(tmp_path / "part", callbacks=[StopAfter(2)])
-    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
     assert len(full) == 4 and len(resumed) == 2
-    for a, b in zip(full[2:], resumed):
-        assert set(a) == set(b)
-        for key in a:
-            if key not in ("epoch", "step"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert_resumed_rows_equal(full, resumed)
 
 
 def test_the_readme_example_environment_drives_a_fit(tokenizer_dir, tmp_path, monkeypatch):

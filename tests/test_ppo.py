@@ -148,6 +148,25 @@ class StopAfter(Callback):
             trainer.should_stop = True
 
 
+def uninterrupted_and_resumed(run, tmp_path, stop_after: int = 2) -> tuple[list[dict], list[dict]]:
+    """The logged rows of ``run(root, callbacks=(), ckpt_path=None)`` uninterrupted, and of the same run
+    stopped after ``stop_after`` rollouts (``StopAfter``) and resumed from its checkpoint."""
+    full = run(tmp_path / "full")
+    run(tmp_path / "part", callbacks=[StopAfter(stop_after)])
+    return full, run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+
+
+def assert_resumed_rows_equal(full: list[dict], resumed: list[dict], stop_after: int = 2) -> None:
+    """The resumed run logged the uninterrupted run's rows after rollout ``stop_after``: same keys, same
+    values (to float rounding), epoch and step aside."""
+    assert len(resumed) == len(full) - stop_after
+    for a, b in zip(full[stop_after:], resumed):
+        assert set(a) == set(b)
+        for key in a:
+            if key not in ("epoch", "step"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
 def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt_file):
     # K = 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics (same
     # prompts from the resumable sampler, same sampling RNG, optimisers, KL controller and buffer RNG).
