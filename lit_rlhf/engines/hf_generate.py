@@ -16,6 +16,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from lit_rlhf.engines.base import Responses
+from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
 from lit_rlhf.models.prefill import is_grouped, prefill_groups
@@ -141,7 +142,8 @@ def generate_responses(
         the whole tempered distribution, the one a scoring forward computes.
 
     Raises:
-        ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
+        ValueError: ``group_size`` does not describe the rows (when the prefill is shared), or
+            ``settings.decode_loop="lean"`` where the lean loop is not supported.
     """
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     kwargs = generation_kwargs(
@@ -153,9 +155,30 @@ def generate_responses(
         cache = _shared_prefill(model, input_ids, attention_mask, group_size)
         if cache is not None:
             kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
+    lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
     with transposed_lm_head(model, enabled=settings.transposed_head):
-        out = model.generate(**kwargs)
-    return _responses(out[:, input_ids.shape[1] :], stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+        if lean:
+            responses = lean_decode(
+                model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
+                pad_token_id=pad_token_id, recorder=recorder, cache=kwargs.get("cache"),
+            )  # fmt: skip
+        else:
+            responses = model.generate(**kwargs)[:, input_ids.shape[1] :]
+    return _responses(responses, stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+
+
+def _uses_lean_loop(model: torch.nn.Module, kwargs: dict, decode_loop: str) -> bool:
+    """Whether ``settings.decode_loop`` runs the lean loop for ``model.generate(**kwargs)``.
+
+    Raises:
+        ValueError: ``decode_loop="lean"`` where the lean loop cannot stand in for ``generate``.
+    """
+    if decode_loop == "generate":
+        return False
+    reason = lean_unsupported(model, kwargs)
+    if reason is not None and decode_loop == "lean":
+        raise ValueError(f"generation.decode_loop='lean' cannot run here: {reason}; use 'auto' or 'generate'")
+    return reason is None
 
 
 def _responses(
