@@ -45,6 +45,15 @@ _NEUTRAL_FIELDS = frozenset(
      "decoder_start_token_id", "transformers_version", "_from_model_config", "vocab_size"}
 )  # fmt: skip
 
+# fields that change nothing while off (extra outputs only go into a dict generate is not asked for)
+_OFF_FIELDS = (
+    "output_attentions",
+    "output_hidden_states",
+    "output_scores",
+    "output_logits",
+    "return_dict_in_generate",
+)
+
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views of a buffer of the final length, filled in place.
@@ -68,7 +77,9 @@ class GrowingLayer(DynamicLayer):
     def _fill(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         end = start + keys.shape[-2]
         if end > self._key_buffer.shape[-2]:
-            raise RuntimeError(f"GrowingLayer: {end} cached columns exceed the capacity {self._key_buffer.shape[-2]}")
+            raise RuntimeError(
+                f"GrowingLayer: {end} cached columns exceed the capacity {self._key_buffer.shape[-2]}"
+            )
         self._key_buffer[:, :, start:end].copy_(keys)
         self._value_buffer[:, :, start:end].copy_(values)
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
@@ -91,16 +102,21 @@ def lean_unsupported(model: torch.nn.Module, generate_kwargs: dict) -> str | Non
     if generate_kwargs.get("stop_strings"):
         return "stop strings (generate matches them on decoded text)"
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "generation_config"):
+    if (
+        config is None
+        or getattr(config, "is_encoder_decoder", False)
+        or not hasattr(model, "generation_config")
+    ):
         return f"{type(model).__name__} is not a decoder-only Hugging Face model"
     peft_config = getattr(model, "peft_config", None)
     if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
         return "peft prompt learning (generate prepends the virtual tokens)"
     merged = copy.deepcopy(model.generation_config)
     merged.update(**{k: v for k, v in generate_kwargs.items() if hasattr(merged, k)})
-    fields = set(merged.to_diff_dict()) - _NEUTRAL_FIELDS
-    suppressed = merged.suppress_tokens
-    if suppressed is not None and list(suppressed) == [generate_kwargs["pad_token_id"]] and not merged.do_sample:
+    fields = {k for k, v in merged.to_diff_dict().items() if k not in _NEUTRAL_FIELDS}
+    fields -= {k for k in _OFF_FIELDS if not getattr(merged, k, None)}
+    greedy = "logits_processor" not in generate_kwargs  # sampling: the recorder suppresses the pad itself
+    if greedy and list(merged.suppress_tokens or ()) == [generate_kwargs["pad_token_id"]]:
         fields.discard("suppress_tokens")
     return f"generation_config sets {sorted(fields)}" if fields else None
 
@@ -169,7 +185,9 @@ def lean_decode(
         # (B, V) float32, overwritten by the suppression: a view of this forward's logits (nothing else
         # reads them), contiguous as generate's copy
         logits = out.logits[:, -1].float().contiguous()
-        tokens = torch.where(unfinished, _next_tokens(logits, recorder, ids[:, : P + t], pad_token_id), pad_token_id)
+        tokens = torch.where(
+            unfinished, _next_tokens(logits, recorder, ids[:, : P + t], pad_token_id), pad_token_id
+        )
         ids[:, P + t] = tokens
         unfinished &= ~torch.isin(tokens, stops)
         if not unfinished.any():  # one host read of B flags a step, as generate's stopping check
