@@ -2,7 +2,9 @@
 
 Every sampled token's log-prob under the distribution it was drawn from (temperature, top-k, top-p, as
 ``generate`` warps) comes from the scores that drew it: the sampler is a logits processor that records it
-(``lit_rlhf.models.sampling``), so no forward is added. Greedy decoding has none.
+(``lit_rlhf.models.sampling``), so no forward is added. Greedy decoding has none. Where it can stand in
+(``generation.decode_loop``), the lean loop of ``lit_rlhf.engines.lean_decode`` runs ``generate``'s forwards
+and draws with less work per step: the same tokens and log-probs under the same seed.
 
 Shapes: B rows (prompts x K samples, each prompt's K rows contiguous), P prompt length (left-padded),
 T response length (right-padded).
