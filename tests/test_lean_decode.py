@@ -146,3 +146,13 @@ def test_auto_falls_back_and_lean_says_why(tokenizer_dir):
     _assert_same(reference, auto)
     with pytest.raises(ValueError, match="decode_loop must be one of"):
         GenerationSettings(decode_loop="fast")
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+def test_lean_loop_under_bf16_autocast(tokenizer_dir, sampler):
+    """Lightning's ``bf16-mixed`` generates under CPU autocast: bfloat16 logits, cast to float32 as generate does."""
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=8, num_samples=K, sampler=sampler, group_prefill="always")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(*_both(model, tok, ids, mask, settings))
