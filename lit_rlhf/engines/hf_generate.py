@@ -21,7 +21,7 @@ from lit_rlhf.engines.base import Responses
 from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
-from lit_rlhf.models.prefill import is_grouped, prefill_groups
+from lit_rlhf.models.prefill import cache_argument, is_grouped, prefill_groups
 from lit_rlhf.models.sampling import (
     BehaviourRecorder,
     InverseCDFSampler,
@@ -153,16 +153,18 @@ def generate_responses(
         vocab_size=output_vocab_size(model),
     )  # fmt: skip
     recorder = next((p for p in kwargs.get("logits_processor", ()) if isinstance(p, BehaviourRecorder)), None)
+    cache = None
     if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
         cache = _shared_prefill(model, input_ids, attention_mask, group_size)
         if cache is not None:
-            kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
+            # generate continues from it: only the last prompt column is run
+            kwargs[cache_argument(model)] = cache
     lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
     with transposed_lm_head(model, enabled=settings.transposed_head):
         if lean:
             responses = lean_decode(
                 model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
-                pad_token_id=pad_token_id, recorder=recorder, cache=kwargs.get("cache"),
+                pad_token_id=pad_token_id, recorder=recorder, cache=cache,
             )  # fmt: skip
         else:
             responses = model.generate(**kwargs)[:, input_ids.shape[1] :]

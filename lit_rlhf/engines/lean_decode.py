@@ -33,7 +33,7 @@ import copy
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from lit_rlhf.models.prefill import _accepts
+from lit_rlhf.models.prefill import _accepts, cache_argument
 from lit_rlhf.models.sampling import BehaviourRecorder, InverseCDFSampler, MultinomialRecorder
 from lit_rlhf.models.scoring import position_ids_from_mask
 
@@ -108,6 +108,8 @@ def lean_unsupported(model: torch.nn.Module, generate_kwargs: dict) -> str | Non
         or not hasattr(model, "generation_config")
     ):
         return f"{type(model).__name__} is not a decoder-only Hugging Face model"
+    if cache_argument(model) is None:
+        return f"{type(model).__name__}.forward takes no KV cache argument"
     peft_config = getattr(model, "peft_config", None)
     if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
         return "peft prompt learning (generate prepends the virtual tokens)"
@@ -172,16 +174,17 @@ def lean_decode(
     mask[:, :P] = attention_mask
     positions = position_ids_from_mask(attention_mask)  # (B, P)
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    cache_name = cache_argument(model)
     stops = torch.tensor(stop_ids, device=device)
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     start = 0 if cache is None else cache.get_seq_length()  # prompt columns already cached
     step_ids, step_positions = input_ids[:, start:], positions[:, start:]
     for t in range(N):
         out = model(
-            input_ids=step_ids, attention_mask=mask[:, : P + t], position_ids=step_positions, cache=cache,
-            use_cache=True, **extra,
+            input_ids=step_ids, attention_mask=mask[:, : P + t], position_ids=step_positions, use_cache=True,
+            **{cache_name: cache}, **extra,
         )  # fmt: skip
-        cache = out.cache if t else _growing(out.cache, P + N)
+        cache = getattr(out, cache_name) if t else _growing(getattr(out, cache_name), P + N)
         # (B, V) float32, overwritten by the suppression: a view of this forward's logits (nothing else
         # reads them), contiguous as generate's copy
         logits = out.logits[:, -1].float().contiguous()
