@@ -18,6 +18,7 @@ from lit_rlhf.models.sampling import SAMPLERS
 from lit_rlhf.settings import Settings
 
 GROUP_PREFILL_CHOICES = ("auto", "always", "never")
+DECODE_LOOP_CHOICES = ("auto", "lean", "generate")
 # "auto" shares the prefill from this padded prompt width on (measured with scripts/bench/prefill_bench.py)
 GROUP_PREFILL_MIN_PROMPT_TOKENS = 32
 
@@ -55,6 +56,12 @@ class GenerationSettings(Settings):
             once per call (``lit_rlhf.models.decoding``: BLAS otherwise repacks the (V, H) weight every
             decoding step, as long as the product itself); only for plain heads of at least 2**20
             weights. Same products, logits equal to float rounding. False leaves the head alone.
+        decode_loop: which loop decodes (``lit_rlhf.engines.lean_decode``): ``"auto"`` (default) the lean
+            loop where it can stand in for ``generate`` (the same forwards and random draws, hence the same
+            tokens and behaviour log-probs, without ``generate``'s per-step cache concatenation, copies and
+            processor lists), else ``generate``; ``"lean"`` the lean loop or an error saying why not (stop
+            strings, multi-rank ``synced_gpus``, a model ``generation_config`` adding processors, ...);
+            ``"generate"`` Hugging Face ``generate`` always.
     """
 
     group: ClassVar[str] = "generation"
@@ -69,6 +76,7 @@ class GenerationSettings(Settings):
     group_prefill: str = "auto"
     sampler: str = "auto"
     transposed_head: bool = True
+    decode_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -84,6 +92,10 @@ class GenerationSettings(Settings):
         if self.group_prefill not in GROUP_PREFILL_CHOICES:
             raise ValueError(
                 f"generation.group_prefill must be one of {list(GROUP_PREFILL_CHOICES)}, got {self.group_prefill!r}"
+            )
+        if self.decode_loop not in DECODE_LOOP_CHOICES:
+            raise ValueError(
+                f"generation.decode_loop must be one of {list(DECODE_LOOP_CHOICES)}, got {self.decode_loop!r}"
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"generation.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
@@ -196,6 +208,7 @@ from lit_rlhf.engines.hf_generate import (  # noqa: E402
 )
 
 __all__ = [
+    "DECODE_LOOP_CHOICES",
     "GROUP_PREFILL_CHOICES",
     "GROUP_PREFILL_MIN_PROMPT_TOKENS",
     "GenerationSettings",

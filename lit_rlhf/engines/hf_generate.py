@@ -2,7 +2,9 @@
 
 Every sampled token's log-prob under the distribution it was drawn from (temperature, top-k, top-p, as
 ``generate`` warps) comes from the scores that drew it: the sampler is a logits processor that records it
-(``lit_rlhf.models.sampling``), so no forward is added. Greedy decoding has none.
+(``lit_rlhf.models.sampling``), so no forward is added. Greedy decoding has none. Where it can stand in
+(``generation.decode_loop``), the lean loop of ``lit_rlhf.engines.lean_decode`` runs ``generate``'s forwards
+and draws with less work per step: the same tokens and log-probs under the same seed.
 
 Shapes: B rows (prompts x K samples, each prompt's K rows contiguous), P prompt length (left-padded),
 T response length (right-padded).
@@ -16,9 +18,10 @@ import torch
 from transformers import LogitsProcessorList
 
 from lit_rlhf.engines.base import Responses
+from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.decoding import output_vocab_size, transposed_lm_head
-from lit_rlhf.models.prefill import is_grouped, prefill_groups
+from lit_rlhf.models.prefill import cache_argument, is_grouped, prefill_groups
 from lit_rlhf.models.sampling import (
     BehaviourRecorder,
     InverseCDFSampler,
@@ -141,7 +144,8 @@ def generate_responses(
         the whole tempered distribution, the one a scoring forward computes.
 
     Raises:
-        ValueError: ``group_size`` does not describe the rows (when the prefill is shared).
+        ValueError: ``group_size`` does not describe the rows (when the prefill is shared), or
+            ``settings.decode_loop="lean"`` where the lean loop is not supported.
     """
     stop_ids = [eos_token_id, *settings.stop_token_ids]
     kwargs = generation_kwargs(
@@ -149,13 +153,36 @@ def generate_responses(
         vocab_size=output_vocab_size(model),
     )  # fmt: skip
     recorder = next((p for p in kwargs.get("logits_processor", ()) if isinstance(p, BehaviourRecorder)), None)
+    cache = None
     if settings.shares_prefill(group_size, input_ids.shape[1], synced_gpus):
         cache = _shared_prefill(model, input_ids, attention_mask, group_size)
         if cache is not None:
-            kwargs["cache"] = cache  # generate continues from it: only the last prompt column is run
+            # generate continues from it: only the last prompt column is run
+            kwargs[cache_argument(model)] = cache
+    lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
     with transposed_lm_head(model, enabled=settings.transposed_head):
-        out = model.generate(**kwargs)
-    return _responses(out[:, input_ids.shape[1] :], stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+        if lean:
+            responses = lean_decode(
+                model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
+                pad_token_id=pad_token_id, recorder=recorder, cache=cache,
+            )  # fmt: skip
+        else:
+            responses = model.generate(**kwargs)[:, input_ids.shape[1] :]
+    return _responses(responses, stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+
+
+def _uses_lean_loop(model: torch.nn.Module, kwargs: dict, decode_loop: str) -> bool:
+    """Whether ``settings.decode_loop`` runs the lean loop for ``model.generate(**kwargs)``.
+
+    Raises:
+        ValueError: ``decode_loop="lean"`` where the lean loop cannot stand in for ``generate``.
+    """
+    if decode_loop == "generate":
+        return False
+    reason = lean_unsupported(model, kwargs)
+    if reason is not None and decode_loop == "lean":
+        raise ValueError(f"generation.decode_loop='lean' cannot run here: {reason}; use 'auto' or 'generate'")
+    return reason is None
 
 
 def _responses(

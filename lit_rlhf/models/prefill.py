@@ -25,6 +25,12 @@ def _accepts(model: torch.nn.Module, argument: str) -> bool:
     return argument in inspect.signature(base.forward).parameters
 
 
+def cache_argument(model: torch.nn.Module) -> str | None:
+    """The name the model's forward takes its KV cache by: ``cache`` (transformers >= 5.20),
+    ``past_key_values`` (earlier releases), or None."""
+    return next((name for name in ("cache", "past_key_values") if _accepts(model, name)), None)
+
+
 def is_grouped(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int) -> bool:
     """Whether the rows come in contiguous groups of ``group_size`` copies of one prompt.
 
@@ -68,7 +74,7 @@ def prefill_groups(
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True, **extra
     )
-    cache = getattr(out, "cache", None)
+    cache = getattr(out, cache_argument(model) or "cache", None)
     if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     cache.batch_repeat_interleave(group_size)  # (G, ...) -> (G*K, ...) per layer

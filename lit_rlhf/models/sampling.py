@@ -125,18 +125,20 @@ class BehaviourRecorder(LogitsProcessor):
         return self.truncates or bool(self.suppress_ids)
 
     def _warp(
-        self, input_ids: torch.LongTensor, scores: torch.Tensor
+        self, input_ids: torch.LongTensor | None, scores: torch.Tensor, inplace: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(B, V) processed scores -> (B, V) warped scores, (B,) logsumexp of the tempered scores after the
         suppression (None without a truncation: the warped scores are then those), and (B,) logsumexp of
-        the suppressed tokens' tempered scores (None without ``suppress_ids``)."""
+        the suppressed tokens' tempered scores (None without ``suppress_ids``). ``inplace``: ``scores`` may
+        be overwritten by the suppression (the same values as a copy's; the lean decoding loop's logits)."""
         if self.temperature is not None:
             scores = self.temperature(input_ids, scores)
+            inplace = True  # a new tensor
         suppressed = None
         if self.suppress_ids:  # as generate's SuppressTokensLogitsProcessor, after tempering (same scores)
             ids = torch.tensor(self.suppress_ids, device=scores.device)
             suppressed = scores.index_select(1, ids).logsumexp(dim=1)  # (B,)
-            scores = scores.index_fill(1, ids, float("-inf"))  # (B, V)
+            scores = (scores.index_fill_ if inplace else scores.index_fill)(1, ids, float("-inf"))  # (B, V)
         if not self.truncates:
             return scores, None, suppressed
         warped = scores
@@ -202,7 +204,13 @@ class InverseCDFSampler(BehaviourRecorder):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) 0 at each row's drawn token, -inf elsewhere."""
-        warped, log_total, suppressed = self._warp(input_ids, scores)  # (B, V), (B,) or None, (B,) or None
+        tokens = self.draw(scores)  # (B,)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+    def draw(self, scores: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """(B, V) processed scores -> (B,) the drawn tokens, recorded (what :meth:`__call__` returns as
+        one-hot scores; the lean decoding loop takes the tokens directly). ``inplace``: see ``_warp``."""
+        warped, log_total, suppressed = self._warp(None, scores, inplace)  # (B, V), (B,) or None, (B,) or None
         probs = warped.softmax(dim=-1)  # (B, V)
         tokens = inverse_cdf_sample(probs)  # (B,)
         logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (B,)
@@ -210,7 +218,7 @@ class InverseCDFSampler(BehaviourRecorder):
         if self.keeps_less:
             log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (B,) logsumexp(warped)
             self._record_kept_mass(log_kept, log_total, suppressed)
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+        return tokens
 
 
 class MultinomialRecorder(BehaviourRecorder):

@@ -31,6 +31,7 @@ ABLATIONS = {
     "inverse-CDF sampler": (W1, {"generation": {"sampler": "multinomial"}}),
     "transposed LM head": (W1, {"generation": {"transposed_head": False}}),
     "group prefill": (W1, {"generation": {"group_prefill": "never"}}),
+    "lean decoding loop": (W1, {"generation": {"decode_loop": "generate"}}),
     "shared-prompt layout": (W1, {"scoring": {"shared_prefix": "off"}}),
     "LM head on real tokens (W1)": (W1, {"actor": {"logits_chunking": "off"}}),
     "least-cost bucketing": (W3, {"scoring": {"bucketing": {"split_cost": None}}}),

@@ -1,0 +1,169 @@
+"""W1's generation against its limits: per-token decoding time of Hugging Face ``generate`` and of the lean
+loop (``generation.decode_loop``), against the matmul-bound floor and the weight-streaming floor.
+
+The W1 setting of ``grpo_bench.py``: the prebuilt 32,000-token actor (20.6M parameters), one prompt of
+``grpo_prompts`` per rollout repeated K = 8 times, up to 64 new tokens at temperature 1, ``generate_responses``
+as the online modules call it (group prefill "auto", sampler "auto" = inverse CDF, transposed head). The two
+loops alternate (generate, lean, lean, generate, ...) with the same seed and prompt per pair, after one
+warm-up pair; each pair's tokens and behaviour log-probs are checked equal.
+
+Per call: the prefill (until the end of the forwards of more than one token column) and the decoding steps
+(the rest, over the forwards of one column: one per response token). Floors per decoding step, both from
+figures measured in this run, one thread:
+
+* matmul-bound (issue 28): ``2 x parameters x rows / peak``, all parameters (the input embedding included,
+  as the issue counts them; the strict matmul count without it is printed too), the fp32 peak of
+  ``matmul_peak.best_rate`` (1024^3 products);
+* weight-streaming: the bytes of the matmul weights (layers and LM head, float32) over the rate at which
+  ``x @ W`` streams weights that do not fit the cache (8 rows, (256, 32000) weights, 128 MiB of them in
+  turn): at 8 rows a decoding step reads every weight once and does 8 multiply-adds per weight read, so on a
+  CPU whose memory is slower than its FMAs this is the tighter bound.
+
+Prints medians and min-max over the pairs of the per-step decoding milliseconds, % of each floor
+(floor / measured), the prefill and whole-call seconds, the lean/generate ratio per pair, and the CPU model.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench/decode_bench.py --assets /work/bench_assets --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import cpu_model  # noqa: E402
+from matmul_peak import best_rate  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, assets_dir, load_rows  # noqa: E402
+
+from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer  # noqa: E402
+from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
+
+LOOPS = ("generate", "lean")
+
+
+def streaming_rate(seconds: float = 1.0) -> float:
+    """Bytes per second at which (8, 256) @ (256, 32000) products read weights that are not in cache."""
+    weights = [torch.randn(256, 32000) for _ in range(4)]  # 4 x 32.8 MB, more than a core's share of L3
+    x, best = torch.randn(8, 256), float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for w in weights:
+            start = time.perf_counter()
+            torch.matmul(x, w)
+            best = min(best, time.perf_counter() - start)
+    return weights[0].numel() * 4 / best
+
+
+class Phases:
+    """Wall time of a call's prefill (up to the end of its last multi-column forward) and its decoding
+    steps (one-column forwards), from forward hooks on the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.prefill_end, self.steps = 0.0, 0
+        model.register_forward_hook(self._after, with_kwargs=True)
+
+    def _after(self, module, args, kwargs, output) -> None:
+        if kwargs["input_ids"].shape[1] > 1:
+            self.prefill_end = time.perf_counter()
+        else:
+            self.steps += 1
+
+    def timed(self, fn) -> tuple[float, float, int, object]:
+        """(prefill s, decoding s, decoding steps, fn's result)."""
+        self.prefill_end, self.steps = 0.0, 0
+        start = time.perf_counter()
+        out = fn()
+        end = time.perf_counter()
+        prefill_end = self.prefill_end or start
+        return prefill_end - start, end - prefill_end, self.steps, out
+
+
+def spread(values: list[float], fmt: str = ".3g") -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--assets", default="/work/bench_assets")
+    parser.add_argument("--size", default="full")
+    parser.add_argument("--repeats", type=int, default=6, help="timed pairs after one warm-up pair")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = assets_dir(args.assets, args.size)
+    tokenizer = load_tokenizer(str(folder / "tokenizer"))
+    actor = build_causal_lm(ModelSpec(name_or_path=str(folder / "actor")), tokenizer).eval()
+    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
+    K = GRPO["num_generations"]
+    base = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=K)
+    phases = Phases(actor.get_base_model() if hasattr(actor, "get_base_model") else actor)
+    params = sum(p.numel() for p in actor.parameters())
+    matmul_params = params - actor.get_input_embeddings().weight.numel()
+    peak = best_rate(1024, torch.float32, 1.0)[0] * 1e9  # FLOP/s
+    rate = streaming_rate()
+    floors = {  # seconds per decoding step
+        "matmul (all params)": 2 * params * K / peak,
+        "matmul (no input embedding)": 2 * matmul_params * K / peak,
+        "weight streaming": matmul_params * 4 / rate,
+    }
+    figures = {loop: {"step_ms": [], "prefill_s": [], "call_s": [], "steps": []} for loop in LOOPS}
+    for repeat in range(args.repeats + 1):
+        ids = torch.tensor([prompts[repeat % len(prompts)]["ids"]] * K)  # (K, P), no padding
+        outs = {}
+        for loop in LOOPS if repeat % 2 == 0 else LOOPS[::-1]:
+            settings = replace(base, decode_loop=loop)
+            torch.manual_seed(repeat)
+            call = partial(
+                generate_responses, actor, ids, torch.ones_like(ids), settings, group_size=K,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+            prefill, decode, steps, outs[loop] = phases.timed(call)
+            if repeat:  # the first pair warms up
+                for key, value in (("step_ms", 1e3 * decode / steps), ("prefill_s", prefill),
+                                   ("call_s", prefill + decode), ("steps", steps)):  # fmt: skip
+                    figures[loop][key].append(value)
+        a, b = outs["generate"], outs["lean"]
+        if not (torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)):
+            raise SystemExit(f"pair {repeat}: the lean loop's tokens or log-probs differ from generate's")
+    print(f"CPU: {cpu_model()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
+    print(f"actor {params / 1e6:.2f}M parameters ({matmul_params / 1e6:.2f}M in matmuls), {K} rows; fp32 peak "
+          f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s")  # fmt: skip
+    for name, floor in floors.items():
+        print(f"floor per decoding step, {name}: {1e3 * floor:.2f} ms")
+    print(
+        f"\nW1 generation, medians [min-max] over {args.repeats} pairs (same tokens and log-probs in each pair)"
+    )
+    print(
+        "| loop | decoding ms/step | "
+        + " | ".join(f"% of {n} floor" for n in floors)
+        + " | prefill s | call s |"
+    )
+    print("|---" * (4 + len(floors)) + "|")
+    for loop in LOOPS:
+        f = figures[loop]
+        shares = [spread([100 * 1e3 * floor / ms for ms in f["step_ms"]]) for floor in floors.values()]
+        print(f"| {loop} | {spread(f['step_ms'])} | " + " | ".join(shares)
+              + f" | {spread(f['prefill_s'])} | {spread(f['call_s'])} |")  # fmt: skip
+    ratio = [g / lean for g, lean in zip(figures["generate"]["step_ms"], figures["lean"]["step_ms"])]
+    calls = [g / lean for g, lean in zip(figures["generate"]["call_s"], figures["lean"]["call_s"])]
+    print(f"speed-up generate/lean per pair: decoding step {spread(ratio)}, whole call {spread(calls)}; "
+          f"decoding steps per call {spread(figures['lean']['steps'])}")  # fmt: skip
+    if args.json:
+        summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, floors_ms=floors,
+                       figures=figures, args=vars(args))  # fmt: skip
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

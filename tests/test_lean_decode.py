@@ -1,0 +1,158 @@
+"""The lean decoding loop (``generation.decode_loop``) against Hugging Face ``generate``, same seed.
+
+Each comparison runs one seeded generation with ``decode_loop="generate"`` and one with ``"lean"`` (where
+``model.generate`` is made to fail, so the lean loop really ran), on left-padded prompts of 4 different
+lengths in groups of K = 3 copies, and asserts the same tokens, masks and truncation flags, the same
+behaviour log-probs and kept masses (to float rounding), and the same next random number (the same draws
+were consumed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import gpt2_config, llama_config
+from test_generation_prefill import K, _model, _prompts
+
+from lit_rlhf.engines.lean_decode import GrowingLayer, lean_unsupported
+from lit_rlhf.rollout import GenerationSettings, generate_responses, generation_kwargs
+
+
+def _generate(model, tok, ids, mask, settings, greedy=False):
+    torch.manual_seed(11)
+    out = generate_responses(
+        model, ids, mask, settings, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tokenizer=tok, greedy=greedy, group_size=settings.num_samples,
+    )  # fmt: skip
+    return out, torch.rand(3)
+
+
+def _both(model, tok, ids, mask, settings, greedy=False, monkeypatch=None):
+    """(generate's outputs, next random numbers), (the lean loop's, next random numbers)."""
+    reference = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"), greedy)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "generate", lambda *a, **k: pytest.fail("the lean loop called generate"))
+        lean = _generate(model, tok, ids, mask, replace(settings, decode_loop="lean"), greedy)
+    return reference, lean
+
+
+def _assert_same(reference, lean) -> None:
+    (a, rng_a), (b, rng_b) = reference, lean
+    for x, y in zip(a[:3], b[:3]):  # ids, mask, truncated
+        assert torch.equal(x, y)
+    for x, y in zip(a[3:5], b[3:5]):  # logprobs, log_kept_mass
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    assert torch.equal(rng_a, rng_b), "another number of random draws was consumed"
+
+
+SAMPLING = {
+    "inverse_cdf": (False, dict(sampler="inverse_cdf")),
+    "multinomial": (False, dict(sampler="multinomial")),
+    "inverse_cdf_top_k_top_p": (False, dict(sampler="inverse_cdf", top_k=40, top_p=0.9)),
+    "multinomial_top_p": (False, dict(sampler="multinomial", top_p=0.8)),
+    "greedy": (True, {}),
+}
+
+
+@pytest.mark.parametrize("config", [gpt2_config(), llama_config()], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("group_prefill", ["never", "always"])
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+def test_lean_loop_gives_generates_tokens_and_logprobs(tokenizer_dir, config, group_prefill, sampling):
+    greedy, fields = SAMPLING[sampling]
+    tok, model = _model(tokenizer_dir, config)
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(
+        max_new_tokens=10, temperature=0.9, num_samples=K, group_prefill=group_prefill, **fields
+    )
+    reference, lean = _both(model, tok, ids, mask, settings, greedy)
+    _assert_same(reference, lean)
+    assert reference[0].mask.any(dim=1).all()
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+def test_lean_loop_stops_rows_as_generate_does(tokenizer_dir, sampler):
+    """Stop ids that end every row at a different step before the limit, so the loop ends early too."""
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=24, num_samples=K, sampler=sampler, top_k=20)
+    probe = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))[0]
+    frequent = torch.bincount(probe.ids[probe.mask]).topk(12).indices.tolist()  # the most sampled tokens
+    settings = replace(settings, stop_token_ids=[t for t in frequent if t != tok.pad_token_id])
+    reference, lean = _both(model, tok, ids, mask, settings)
+    _assert_same(reference, lean)
+    out = reference[0]
+    lengths = out.mask.sum(dim=1)
+    assert not out.truncated.any() and out.ids.shape[1] < settings.max_new_tokens
+    assert len(set(lengths.tolist())) >= 3 and (out.ids[~out.mask] == tok.pad_token_id).all()
+
+
+def test_lean_loop_with_a_lora_policy(tokenizer_dir):
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    tok, model = _model(tokenizer_dir, llama_config(), lora=lora)
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=8, num_samples=K, group_prefill="always")
+    _assert_same(*_both(model, tok, ids, mask, settings))
+
+
+def test_growing_layer_holds_what_concatenation_holds():
+    keys, values = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    layer = GrowingLayer(keys, values, capacity=6)
+    new_k, new_v = torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)
+    k, v = layer.update(new_k, new_v)
+    assert torch.equal(k, torch.cat([keys, new_k], dim=-2)) and torch.equal(
+        v, torch.cat([values, new_v], dim=-2)
+    )
+    assert layer.get_seq_length() == 5
+    layer.update(new_k, new_v)
+    with pytest.raises(RuntimeError, match="capacity 6"):
+        layer.update(new_k, new_v)
+
+
+def _kwargs(tok, settings, greedy=False):
+    ids = torch.tensor([[5, 6, 7]])
+    return generation_kwargs(
+        ids, torch.ones_like(ids), settings, [tok.eos_token_id], tok.pad_token_id, tok, greedy=greedy
+    )
+
+
+def test_unsupported_settings_fall_back_to_generate(tokenizer_dir):
+    tok, model = _model(tokenizer_dir, gpt2_config())
+    assert lean_unsupported(model, _kwargs(tok, GenerationSettings())) is None
+    assert lean_unsupported(model, _kwargs(tok, GenerationSettings(), greedy=True)) is None
+    assert "stop strings" in lean_unsupported(model, _kwargs(tok, GenerationSettings(stop_strings=["ab"])))
+    assert "synced_gpus" in lean_unsupported(
+        model, {**_kwargs(tok, GenerationSettings()), "synced_gpus": True}
+    )
+    model.generation_config.repetition_penalty = 1.3  # generate would add a processor the loop has not
+    assert "repetition_penalty" in lean_unsupported(model, _kwargs(tok, GenerationSettings()))
+    model.generation_config.repetition_penalty = None
+    model.generation_config.suppress_tokens = [tok.pad_token_id]  # what the greedy loop suppresses itself
+    assert lean_unsupported(model, _kwargs(tok, GenerationSettings(), greedy=True)) is None
+
+
+def test_auto_falls_back_and_lean_says_why(tokenizer_dir):
+    tok, model = _model(tokenizer_dir, gpt2_config())
+    ids, mask = _prompts(tok, k=1)
+    model.generation_config.no_repeat_ngram_size = 2
+    settings = GenerationSettings(max_new_tokens=6)
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        _generate(model, tok, ids, mask, replace(settings, decode_loop="lean"))
+    reference = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))
+    auto = _generate(model, tok, ids, mask, settings)  # "auto" runs generate, with its n-gram processor
+    _assert_same(reference, auto)
+    with pytest.raises(ValueError, match="decode_loop must be one of"):
+        GenerationSettings(decode_loop="fast")
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+def test_lean_loop_under_bf16_autocast(tokenizer_dir, sampler):
+    """Lightning's ``bf16-mixed`` generates under CPU autocast: bfloat16 logits, cast to float32 as generate does."""
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=8, num_samples=K, sampler=sampler, group_prefill="always")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(*_both(model, tok, ids, mask, settings))
