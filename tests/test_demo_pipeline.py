@@ -243,6 +243,21 @@ def test_time_to_target_by_hand():
     assert curves.time_to_target([_point(0, 0.0, 1.0, 0.0, gold_std=0.0), _point(1, 1.0, 9.0, 0.1)]) is None
 
 
+def test_overoptimization_shape_by_hand():
+    # proxy 1, 2, 1.5, 3 -> +0, +1, +0.5, +2 (largest fall 0.5); gold 0, 2, 3, -1 peaks at window 2 (KL 4)
+    shape = curves.overoptimization_shape(
+        {"kl": [0.0, 1.0, 4.0, 9.0], "proxy": [1.0, 2.0, 1.5, 3.0], "gold": [0.0, 2.0, 3.0, -1.0]}
+    )
+    assert shape == {"proxy_rise": 2.0, "proxy_largest_drop": 0.5, "gold_peak": 3.0, "gold_peak_kl": 4.0,
+                     "gold_final": -1.0, "gold_drop_from_peak": 4.0, "peaks_and_falls": True}  # fmt: skip
+    # gold still rising at the end, or a proxy that ends below its start: no over-optimisation picture
+    rising = {"kl": [0.0, 1.0, 2.0], "proxy": [0.0, 1.0, 2.0], "gold": [0.0, 1.0, 2.0]}
+    assert curves.overoptimization_shape(rising)["peaks_and_falls"] is False
+    assert curves.overoptimization_shape(rising)["proxy_largest_drop"] == 0.0
+    falling_proxy = {"kl": [0.0, 1.0, 2.0], "proxy": [0.0, 1.0, -0.5], "gold": [0.0, 1.0, 0.5]}
+    assert curves.overoptimization_shape(falling_proxy)["peaks_and_falls"] is False
+
+
 def test_spread_by_hand():
     # values 1, 2, 6: mean 3, sample variance ((-2)^2 + (-1)^2 + 3^2) / 2 = 7
     assert compare.spread([1.0, 2.0, 6.0]) == {"mean": 3.0, "std": math.sqrt(7.0), "min": 1.0}

@@ -171,3 +171,32 @@ class GoldCurve(Callback):
         if trainer.logger is not None:
             keys = ("gold_mean", "kl_ref", "grammatical_rate", "seconds")
             trainer.logger.log_metrics({f"heldout/{k}": point[k] for k in keys}, step=self.steps)
+
+
+def overoptimization_shape(curves: dict[str, list[float]]) -> dict:
+    """The over-optimisation picture of Gao et al. (2022, arXiv:2210.10760) read from windowed reward curves.
+
+    Args:
+        curves: ``{"kl": [...], "proxy": [...], "gold": [...]}`` per window in training order (as
+            ``report.reward_curves`` returns them), at least one window.
+
+    Returns:
+        ``proxy_rise`` (last proxy minus first), ``proxy_largest_drop`` (the largest fall of the proxy
+        between two consecutive windows, 0 when it never falls), ``gold_peak`` and ``gold_peak_kl`` (the
+        window of the highest gold and its KL), ``gold_final``, ``gold_drop_from_peak`` (peak minus final gold,
+        >= 0) and ``peaks_and_falls``: the proxy ends higher than it started while the gold peaks at a
+        window before the last and ends below that peak. Rewards relative to the first window.
+    """
+    proxy = [v - curves["proxy"][0] for v in curves["proxy"]]
+    gold = [v - curves["gold"][0] for v in curves["gold"]]
+    peak = max(range(len(gold)), key=gold.__getitem__)
+    drops = [before - after for before, after in zip(proxy, proxy[1:])]
+    return {
+        "proxy_rise": proxy[-1],
+        "proxy_largest_drop": max([0.0, *drops]),
+        "gold_peak": gold[peak],
+        "gold_peak_kl": curves["kl"][peak],
+        "gold_final": gold[-1],
+        "gold_drop_from_peak": gold[peak] - gold[-1],
+        "peaks_and_falls": proxy[-1] > 0 and peak < len(gold) - 1 and gold[-1] < gold[peak],
+    }

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lit_rlhf.demo import compare, frontier
-from lit_rlhf.demo.curves import KL_BUDGET
+from lit_rlhf.demo.curves import KL_BUDGET, overoptimization_shape
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
 
 MIN_PROMPTS_PER_POINT = 256
@@ -54,9 +54,18 @@ def reward_curves(scalars: dict, prompts_per_rollout: int) -> dict[str, list[flo
 
 
 def plot_reward_vs_kl(
-    curves: dict, path: Path, title: str, kl_target: float | None = None, kl_budget: float | None = None
+    curves: dict,
+    path: Path,
+    title: str,
+    kl_target: float | None = None,
+    kl_budget: float | None = None,
+    sqrt_kl: bool = False,
 ) -> None:
-    """Gold and proxy reward (change since the first window) against KL to the reference, and per rollout."""
+    """Gold and proxy reward (change since the first window) against KL to the reference, and per rollout.
+
+    ``sqrt_kl`` puts sqrt(KL) on the x axis, the distance Gao et al. (2022, arXiv:2210.10760, Sec. 3) plot
+    over-optimisation against (their gold-reward fits are functions of it).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,13 +74,16 @@ def plot_reward_vs_kl(
     fig, (ax_kl, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for name, color in (("proxy", "tab:orange"), ("gold", "tab:blue")):
         delta = [v - curves[name][0] for v in curves[name]]
-        ax_kl.plot(curves["kl"], delta, "o-", color=color, ms=3, label=f"{name} reward")
+        x = [max(kl, 0.0) ** 0.5 for kl in curves["kl"]] if sqrt_kl else curves["kl"]
+        ax_kl.plot(x, delta, "o-", color=color, ms=3, label=f"{name} reward")
         ax_t.plot(curves["rollout"], delta, "o-", color=color, ms=3, label=f"{name} reward")
+    scale = (lambda kl: kl**0.5) if sqrt_kl else (lambda kl: kl)
     if kl_target is not None:
-        ax_kl.axvline(kl_target, color="gray", ls="--", label=f"KL target {kl_target:g}")
+        ax_kl.axvline(scale(kl_target), color="gray", ls="--", label=f"KL target {kl_target:g}")
     if kl_budget is not None:
-        ax_kl.axvline(kl_budget, color="tab:red", ls=":", label=f"KL budget {kl_budget:g}")
-    ax_kl.set_xlabel("KL(policy || reference), nats per response")
+        ax_kl.axvline(scale(kl_budget), color="tab:red", ls=":", label=f"KL budget {kl_budget:g}")
+    unit = "KL(policy || reference), nats per response"
+    ax_kl.set_xlabel(f"sqrt({unit})" if sqrt_kl else unit)
     ax_t.set_xlabel("rollout")
     for ax in (ax_kl, ax_t):
         ax.set_ylabel("reward - reward of the first window")
@@ -241,6 +253,8 @@ def write_report(
         over = results["ppo_overoptimize"]["summary"]
         summary.update({f"overoptimize_{k}": v for k, v in over.items()})
         summary["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
+        if "ppo_overoptimize" in curves:
+            summary["overoptimize_curve"] = overoptimization_shape(curves["ppo_overoptimize"])
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
@@ -257,7 +271,7 @@ def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
         plots[name] = out / f"{name}_reward_vs_kl.png"
         title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
         budget = KL_BUDGET if name == "ppo" else None
-        plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget)
+        plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget, sqrt_kl=name != "ppo")
     plots["rm_accuracy"] = out / "rm_accuracy.png"
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
     return plots, curves
@@ -315,6 +329,14 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         lines.append(
             f"- Over-optimisation run: weak proxy RM accuracy {summary['rm_weak_val_accuracy']:.3f};"
             f" final gold {summary['overoptimize_gold_mean']:+.2f}, KL {summary['overoptimize_kl_ref']:.2f}."
+        )
+    if "overoptimize_curve" in summary:
+        shape = summary["overoptimize_curve"]
+        lines.append(
+            f"- Over-optimisation curve (training rollouts, relative to the first window): proxy"
+            f" {shape['proxy_rise']:+.2f} (largest fall between windows {shape['proxy_largest_drop']:.2f}); gold"
+            f" peaks at {shape['gold_peak']:+.2f} at KL {shape['gold_peak_kl']:.1f} and ends at"
+            f" {shape['gold_final']:+.2f} ({'peaks and falls' if shape['peaks_and_falls'] else 'no peak and fall'})."
         )
     lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
     lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
