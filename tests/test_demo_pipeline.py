@@ -24,7 +24,7 @@ ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_mee
 # A second algorithm for the side-by-side: PPO's own config under another name (same settings and seeds,
 # so its figures must equal PPO's: the stages are deterministic in their own processes).
 PPO_COPY = pipeline.Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), config="ppo")
-ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1"]
+ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def small_run(tmp_path_factory) -> tuple[Path, dict, dict]:
 def test_small_pipeline_writes_the_report(small_run):
     out, summary, again = small_run
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
-                 "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png"):  # fmt: skip
+                 "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png",
+                 "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
@@ -49,7 +50,8 @@ def test_small_pipeline_writes_the_report(small_run):
     runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo",
             "online_dpo_seed1"}  # fmt: skip
     stages_run = summary["wall_s_per_stage"]
-    assert set(stages_run) == {"assets", "sft", "rm", "rm_weak", "ppo_overoptimize", "evaluate", "report"} | runs
+    over = {"rm_weak", "ppo_overoptimize", "rm_weak_ensemble", "ppo_overoptimize_ensemble"}
+    assert set(stages_run) == {"assets", "sft", "rm", "evaluate", "report"} | over | runs
     assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
     # The SFT policy is its own reference: its KL is exactly zero.
     assert summary["sft_kl_ref"] == 0.0
@@ -109,7 +111,8 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     _, first, again = small_run
     assert set(again["reused_stages"]) == {
         "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
-        "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize",
+        "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize", "rm_weak_ensemble",
+        "ppo_overoptimize_ensemble",
     }  # fmt: skip
     for name in ("ppo", "ppo_copy", "grpo", "dpo", "online_dpo"):
         assert again["algorithms"][name]["seeds"] == [
@@ -126,7 +129,7 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
 def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
     out, _, _ = small_run
     for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "grpo/actor", "dpo", "rm_weak",
-                   "ppo_overoptimize/actor"):  # fmt: skip
+                   "ppo_overoptimize/actor", "rm_weak_ensemble/member_2", "ppo_overoptimize_ensemble/actor"):  # fmt: skip
         assert (out / folder / "config.json").exists(), folder
     for stage in ("sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "grpo", "dpo", "rm_weak", "ppo_overoptimize"):
         assert list((out / "tb" / stage).glob("events.out.tfevents.*")), stage
@@ -135,6 +138,29 @@ def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
     assert len(ppo["rollout/kl_ref"]) == len(ppo["rollout/monitor_score"]) == 2
     assert [step for step, _ in ppo["heldout/gold_mean"]] == [0, 1, 2]
     assert not (out / "grpo" / "critic").exists()  # critic-free
+
+
+def test_ensemble_row_is_reported_beside_the_single_weak_model(small_run):
+    out, summary, _ = small_run
+    assert json.loads((out / "rm_weak_ensemble" / "ensemble.json").read_text())["members"] == [
+        "member_0", "member_1", "member_2"]  # fmt: skip
+    accuracies = summary["rm_weak_ensemble_member_accuracies"]
+    assert len(accuracies) == 3 and all(0.0 <= a <= 1.0 for a in accuracies)
+    for prefix in ("overoptimize", "overoptimize_ensemble"):
+        assert math.isfinite(summary[f"{prefix}_gold_mean"]) and summary[f"{prefix}_kl_ref"] >= 0.0
+        assert set(summary[f"{prefix}_curve"]) >= {"proxy_rise", "gold_peak", "gold_final", "peaks_and_falls"}
+    # the ensemble run scored with the three members: their scores and spread are in its training log
+    scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_ensemble")
+    assert {"rollout/ensemble_std", "rollout/reward/member_0", "rollout/reward/member_2"} <= set(scalars)
+    report_md = (out / "report.md").read_text()
+    assert "- Ensemble run (members' accuracies" in report_md and "| PPO OVEROPTIMIZE ENSEMBLE |" in report_md
+
+
+def test_ensemble_without_the_overoptimisation_run_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main(["--out", str(tmp_path / "demo"), "--no-overoptimize", "--ensemble"])
+    assert exit_info.value.code == 2
+    assert "--ensemble adds to the over-optimisation demo" in capsys.readouterr().err
 
 
 def test_held_out_sampling_leaves_the_global_random_state_alone(small_run):

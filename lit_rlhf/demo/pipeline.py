@@ -1,7 +1,7 @@
 """The offline demo, end to end: assets -> SFT -> reward model -> algorithms -> evaluation -> report.
 
     python -m lit_rlhf.demo.pipeline --out runs/demo [--algorithms ppo,...] [--seeds N|S1,S2,...]
-        [--reuse] [--small] [--no-overoptimize] [--threads N]
+        [--reuse] [--small] [--no-overoptimize] [--ensemble] [--threads N]
 
 1. builds the demo assets into ``OUT/assets`` (skipped when built before with the same settings);
 2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<run>.yaml``, where each config is
@@ -24,6 +24,9 @@ The run of seed 0 is named after the algorithm (``OUT/ppo``, ``tb/ppo``), seed s
 The reward over-optimisation run (Gao et al. 2022; skipped with ``--no-overoptimize``) adds a weaker
 proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
 (``ppo_overoptimize.yaml``), whose gold and proxy rewards are plotted against the KL to the reference.
+``--ensemble`` adds an ensemble of three weak reward models trained on the same pairs
+(``rm_weak_ensemble.yaml``) and the same PPO run against their mean minus one standard deviation
+(``ppo_overoptimize_ensemble.yaml``, Coste et al. 2024), plotted with the single weak model's run.
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> 
 
 def run_stages(
     runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
-    manifest: dict,
+    manifest: dict, ensemble: bool = False,
 ) -> dict[str, list[StageRecord]]:  # fmt: skip
     """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order)."""
     salt = json.dumps(manifest["args"], sort_keys=True)
@@ -216,6 +219,11 @@ def run_stages(
         over = load_config("ppo_overoptimize", out, small)
         check_online_configs({"ppo_overoptimize": over}, manifest["max_response_tokens"])
         runner.fit("ppo_overoptimize", over, ("sft", "rm_weak"))
+        if ensemble:
+            runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
+            over = load_config("ppo_overoptimize_ensemble", out, small)
+            check_online_configs({"ppo_overoptimize_ensemble": over}, manifest["max_response_tokens"])
+            runner.fit("ppo_overoptimize_ensemble", over, ("sft", "rm_weak_ensemble"))
     return runs
 
 
@@ -230,8 +238,9 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         for record in records:
             policy = Path(export_dir(record.config)) / ALGORITHMS[name].policy_subdir
             policies[record.run] = (str(policy), out / "rm")
-    if "ppo_overoptimize" in runner.records:
-        policies["ppo_overoptimize"] = (str(out / "ppo_overoptimize" / "actor"), out / "rm_weak")
+    for name in [n for n in ("ppo_overoptimize", "ppo_overoptimize_ensemble") if n in runner.records]:
+        # proxy: the single weak RM for both (the ensemble's own aggregate is in its training curve)
+        policies[name] = (str(out / name / "actor"), out / "rm_weak")
     results = {}
     for key, (folder, reward_model) in policies.items():
         rows = evaluate.sample_policy(
@@ -241,6 +250,11 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         results[key] = {"summary": evaluate.summarize(rows), "rows": rows}
     for name in [n for n in ("rm", "rm_weak") if n in runner.records]:
         results[name] = evaluate.evaluate_reward_model(out / name, out / "assets" / "prefs_val.jsonl")
+    if "rm_weak_ensemble" in runner.records:
+        members = sorted((out / "rm_weak_ensemble").glob("member_*"))
+        results["rm_weak_ensemble"] = [
+            evaluate.evaluate_reward_model(member, out / "assets" / "prefs_val.jsonl") for member in members
+        ]
     n_prompts, n = SMALL_FRONTIER if small else (FRONTIER_PROMPTS, FRONTIER_N)
     results["frontier"] = frontier.sample_frontier(out / "sft", out / "rm", prompts[:n_prompts], generation, n)
     return results
@@ -251,6 +265,7 @@ def run(
     *,
     small: bool = False,
     overoptimize: bool = True,
+    ensemble: bool = False,
     seed: int = 0,
     algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
     seeds: Sequence[int] = (0,),
@@ -268,7 +283,7 @@ def run(
     manifest = build_or_reuse_assets(out / "assets", small, seed)
     wall["assets"] = time.perf_counter() - stage_start
     runner = StageRunner(out, reuse=reuse)
-    algorithm_runs = run_stages(runner, out, small, list(algorithms), list(seeds), overoptimize, manifest)
+    algorithm_runs = run_stages(runner, out, small, list(algorithms), list(seeds), overoptimize, manifest, ensemble)
     wall.update({run: record.wall_s for run, record in runner.records.items()})
     stage_start = time.perf_counter()
     results = evaluate_all(out, runner, algorithm_runs, small)
@@ -314,9 +329,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         default=True,
         help="also run the weak-RM, weak-KL over-optimisation demo (default: on)",
     )
+    parser.add_argument(
+        "--ensemble",
+        action="store_true",
+        help="with the over-optimisation demo, also a weak-RM ensemble (3 members, mean - std) and its PPO run",
+    )
     parser.add_argument("--threads", type=parse_threads, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
     args = parser.parse_args(argv)
+    if args.ensemble and not args.overoptimize:
+        parser.error("--ensemble adds to the over-optimisation demo: it cannot run with --no-overoptimize")
     try:  # an output folder that cannot be written fails now, not after the first stage
         check_output_folder(args.out, "--out")
     except OSError as err:
@@ -328,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         Path(args.out),
         small=args.small,
         overoptimize=args.overoptimize,
+        ensemble=args.ensemble,
         seed=args.seed,
         algorithms=args.algorithms,
         seeds=args.seeds,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lit_rlhf.demo import compare, frontier
-from lit_rlhf.demo.curves import KL_BUDGET, overoptimization_shape
+from lit_rlhf.demo import compare, frontier, overoptimization
+from lit_rlhf.demo.curves import KL_BUDGET
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
 
 MIN_PROMPTS_PER_POINT = 256
@@ -207,7 +207,7 @@ def write_report(
     report_start = time.perf_counter()
     plots, curves = _training_plots(out, runs)
     first_runs = [records[0].run for records in algorithm_runs.values()]
-    shown = ["sft", *first_runs, *[n for n in ("ppo_overoptimize",) if n in results]]
+    shown = ["sft", *first_runs, *[n for n in overoptimization.RUNS if n in results]]
     (out / "samples.md").write_text(_samples_md(results, shown, EVAL_TEMPERATURE))
 
     sft = results["sft"]["summary"]
@@ -216,9 +216,9 @@ def write_report(
     compare.plot_gold_curves(gold_curves, plots["algorithms_gold"])
     if "frontier" in results:  # every algorithm's seeds (and the over-optimised policy) against best-of-n
         policies = {name: [(s["kl_ref"], s["gold_mean"]) for s in entry["seeds"]] for name, entry in algorithms.items()}
-        if "ppo_overoptimize" in results:
-            over = results["ppo_overoptimize"]["summary"]
-            policies["ppo_overoptimize (weak RM)"] = [(over["kl_ref"], over["gold_mean"])]
+        for run in [n for n in overoptimization.RUNS if n in results]:
+            over = results[run]["summary"]
+            policies[f"{run} ({overoptimization.LABELS[run]})"] = [(over["kl_ref"], over["gold_mean"])]
         plots["frontier"] = out / "gold_vs_kl_frontier.png"
         frontier.plot_frontier(results["frontier"], policies, plots["frontier"])
     wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
@@ -249,12 +249,7 @@ def write_report(
         summary["ppo_kl_budget"] = KL_BUDGET
         summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
         summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]
-    if "ppo_overoptimize" in results:
-        over = results["ppo_overoptimize"]["summary"]
-        summary.update({f"overoptimize_{k}": v for k, v in over.items()})
-        summary["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
-        if "ppo_overoptimize" in curves:
-            summary["overoptimize_curve"] = overoptimization_shape(curves["ppo_overoptimize"])
+    summary.update(overoptimization.summary_fields(results, curves))
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
@@ -264,14 +259,17 @@ def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
     """PPO's (and the over-optimisation run's) reward-vs-KL plots and curves, and the RM accuracy plot."""
     scalars = {name: read_scalars(run.log_dir) for name, run in runs.items()}
     plots, curves = {}, {}
-    for name in [n for n in ("ppo", "ppo_overoptimize") if n in runs]:
+    for name in [n for n in ("ppo", *overoptimization.RUNS) if n in runs]:
         init = runs[name].config["model"]["init_args"]
         per_rollout = runs[name].config["data"]["init_args"]["batch_size"]
         curves[name] = reward_curves(scalars[name], per_rollout)
         plots[name] = out / f"{name}_reward_vs_kl.png"
-        title = "PPO" if name == "ppo" else "Over-optimisation: weak proxy RM, weak KL penalty"
+        title = "PPO" if name == "ppo" else f"Over-optimisation: {overoptimization.LABELS[name]}, weak KL penalty"
         budget = KL_BUDGET if name == "ppo" else None
         plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget, sqrt_kl=name != "ppo")
+    if "ppo_overoptimize_ensemble" in curves:
+        plots["overoptimize_runs"] = out / "overoptimize_single_vs_ensemble.png"
+        overoptimization.plot_runs(curves, plots["overoptimize_runs"])
     plots["rm_accuracy"] = out / "rm_accuracy.png"
     plot_rm_accuracy({n: scalars[n] for n in runs if n.startswith("rm")}, plots["rm_accuracy"])
     return plots, curves
@@ -325,19 +323,7 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
         " pipeline checks every online config's max_new_tokens against it).",
     ]
-    if "rm_weak_val_accuracy" in summary:
-        lines.append(
-            f"- Over-optimisation run: weak proxy RM accuracy {summary['rm_weak_val_accuracy']:.3f};"
-            f" final gold {summary['overoptimize_gold_mean']:+.2f}, KL {summary['overoptimize_kl_ref']:.2f}."
-        )
-    if "overoptimize_curve" in summary:
-        shape = summary["overoptimize_curve"]
-        lines.append(
-            f"- Over-optimisation curve (training rollouts, relative to the first window): proxy"
-            f" {shape['proxy_rise']:+.2f} (largest fall between windows {shape['proxy_largest_drop']:.2f}); gold"
-            f" peaks at {shape['gold_peak']:+.2f} at KL {shape['gold_peak_kl']:.1f} and ends at"
-            f" {shape['gold_final']:+.2f} ({'peaks and falls' if shape['peaks_and_falls'] else 'no peak and fall'})."
-        )
+    lines += overoptimization.report_lines(summary)
     lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
     lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
     reused = set(summary["reused_stages"])
@@ -367,11 +353,6 @@ def console_summary(summary: dict) -> str:
             f"  KL {entry['kl_ref']:.2f}  grammatical {entry['grammatical_rate']:.3f}"
             f"  to target {_fmt(ttt, '.0f')} s  on target {entry['seeds_meeting_target']}/{entry['n_seeds']} seeds"
         )
-    if "rm_weak_val_accuracy" in summary:
-        lines.append(
-            f"  over-optimisation: weak RM acc {summary['rm_weak_val_accuracy']:.3f}, final gold"
-            f" {summary['overoptimize_gold_mean']:+.2f}, proxy {summary['overoptimize_proxy_mean']:+.2f},"
-            f" KL {summary['overoptimize_kl_ref']:.2f}"
-        )
+    lines += overoptimization.console_lines(summary)
     lines += [f"  wall time     {summary['wall_s']:.0f} s ({wall})", "=" * 78]
     return "\n".join(lines)
