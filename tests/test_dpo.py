@@ -181,6 +181,17 @@ def test_test_untrained_policy_on_the_test_path_logs_test_metrics(tiny_data, tmp
     assert data.stats["test"]["rows"] == 40 and ("test" in module.ref_logps) == precompute
 
 
+@pytest.mark.parametrize("precompute", [False, True])
+def test_nll_coef_adds_the_chosen_per_token_nll(tiny_data, tmp_path, precompute):
+    # the untrained policy: DPO's loss is log 2, so the loss is log 2 + alpha * the chosen per-token NLL
+    module = _dpo(tiny_data, precompute_ref_logprobs=precompute, nll_coef=0.5)
+    metrics = _trainer(tmp_path).validate(module, _data(tiny_data), verbose=False)[0]
+    assert metrics["val/nll_loss"] > 0
+    assert metrics["val/loss"] == pytest.approx(math.log(2) + 0.5 * metrics["val/nll_loss"], rel=1e-5)
+    plain = _trainer(tmp_path).validate(_dpo(tiny_data), _data(tiny_data), verbose=False)[0]
+    assert "val/nll_loss" not in plain and plain["val/loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 @pytest.mark.parametrize(("loss_type", "extra"), [("ipo", {}), ("simpo", {"simpo_gamma": 0.5})])
 def test_ipo_and_simpo_fit(tiny_data, tmp_path, loss_type, extra):
     module, recorder = _dpo(tiny_data, loss_type=loss_type, beta=1.0, **extra), LossRecorder()
@@ -236,6 +247,8 @@ def test_accepts_dict_and_path_specs(tiny_data):
         (dict(simpo_gamma=1.0), "simpo_gamma"),
         (dict(loss_type="simpo", precompute_ref_logprobs=True), "reference-free"),
         (dict(num_samples=-1), "num_samples"),
+        (dict(nll_coef=-0.1), "nll_coef"),
+        (dict(nll_coef=float("nan")), "nll_coef"),
     ],
 )
 def test_bad_arguments_are_named(tiny_data, kwargs, message):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_rlhf.functional import dpo_loss, pairwise_reward_loss
+from lit_rlhf.functional import chosen_nll, dpo_loss, pairwise_reward_loss
 
 # Two pairs (summed log-probs). Pair 0: policy log-ratios chosen +0.5, rejected -0.5, so h = 1.
 # Pair 1: chosen -1, rejected +1, so h = -2 (the policy prefers the rejected response).
@@ -168,3 +168,17 @@ def test_bad_shapes_and_missing_reference():
         dpo_loss(PC, PR, RC, RR[:1], beta=0.1)
     with pytest.raises(ValueError, match="1-D"):
         dpo_loss(PC[None], PR[None], RC[None], RR[None], beta=0.1)
+
+
+def test_chosen_nll_hand_computed():
+    # -(-6 / 3) = 2 and -(-1 / 2) = 0.5: mean 1.25; a zero token count is taken as one token
+    assert chosen_nll(torch.tensor([-6.0, -1.0]), torch.tensor([3, 2])).item() == pytest.approx(1.25)
+    assert chosen_nll(torch.tensor([-2.0]), torch.tensor([0])).item() == pytest.approx(2.0)
+    logps = torch.tensor([-6.0, -1.0], dtype=torch.bfloat16, requires_grad=True)
+    nll = chosen_nll(logps, torch.tensor([3, 2]))
+    nll.backward()
+    assert nll.dtype == torch.float32
+    # d/d logp_i of mean(-logp_i / n_i) = -1 / (2 n_i): raising a chosen log-prob lowers the term
+    torch.testing.assert_close(logps.grad.float(), torch.tensor([-1 / 6, -1 / 4]), atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="chosen_nll"):
+        chosen_nll(torch.zeros(2), torch.ones(3))

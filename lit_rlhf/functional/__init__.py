@@ -55,7 +55,7 @@ from lit_rlhf.functional.losses import (
     ppo_policy_loss,
     reference_kl_loss,
 )
-from lit_rlhf.functional.preference import DPO_LOSS_TYPES, best_worst_pairs, dpo_loss
+from lit_rlhf.functional.preference import DPO_LOSS_TYPES, best_worst_pairs, chosen_nll, dpo_loss
 from lit_rlhf.functional.registry import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -125,6 +125,7 @@ __all__ = [
     "discounted_returns",
     "grpo_advantages",
     "group_score_stats",
+    "chosen_nll",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lit_rlhf.functional._checks import as_float, check_number, check_same_shape
 from lit_rlhf.functional.stats import as_groups
 
-__all__ = ["DPO_LOSS_TYPES", "best_worst_pairs", "dpo_loss"]
+__all__ = ["DPO_LOSS_TYPES", "best_worst_pairs", "chosen_nll", "dpo_loss"]
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
@@ -76,6 +76,26 @@ def dpo_loss(
     h = chosen - rejected  # (B,)
     losses = _preference_losses(h, beta, loss_type, label_smoothing, simpo_gamma)  # (B,)
     return losses.mean(), _dpo_stats(beta, chosen, rejected, policy_chosen_logps, policy_rejected_logps)
+
+
+def chosen_nll(chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """The per-token negative log-likelihood of the chosen responses, the term RPO adds to DPO.
+
+    Pang et al. (2024, arXiv 2404.19733 eq. 1-3: loss = DPO + alpha * NLL(chosen) / length) add it to keep the
+    likelihood of the chosen responses from falling with the rejected ones' (the DPO loss only sees their
+    difference: both may drift down together and move the policy's mass onto text of neither; Liu et al. 2024,
+    arXiv 2405.16436, derive the same term as a regulariser against over-optimisation).
+
+    Args:
+        chosen_logps: (B,) policy log-probs of the chosen responses, summed over their tokens (with grad).
+        chosen_tokens: (B,) their token counts (>= 1 where counted; 0 is taken as 1).
+
+    Returns:
+        The float32 scalar mean over the pairs of -chosen_logps / chosen_tokens.
+    """
+    check_same_shape("chosen_nll", chosen_logps=chosen_logps, chosen_tokens=chosen_tokens)
+    per_token = -as_float(chosen_logps) / chosen_tokens.clamp(min=1).float()  # (B,)
+    return per_token.mean()
 
 
 def _check_dpo_args(

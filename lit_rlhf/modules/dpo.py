@@ -8,6 +8,7 @@ Metric names (TRL's, under the project's ``train/`` / ``val/`` / ``test/`` prefi
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from functools import partial
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lit_rlhf.batching import Bucketing
-from lit_rlhf.functional import DPO_LOSS_TYPES, dpo_loss
+from lit_rlhf.functional import DPO_LOSS_TYPES, chosen_nll, dpo_loss
 from lit_rlhf.guards import NonFiniteError
 from lit_rlhf.models import (
     ModelSpec,
@@ -48,6 +49,8 @@ DPO_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
+# with nll_coef > 0 (RPO): the chosen responses' per-token NLL, under TRL's name
+NLL_METRIC = "nll_loss"
 
 
 class DPOModule(SingleModelModule):
@@ -67,6 +70,10 @@ class DPOModule(SingleModelModule):
             IPO and SimPO use length-averaged log-probs (see :func:`~lit_rlhf.functional.dpo_loss`).
         label_smoothing: in [0, 0.5): assumed probability that a preference label is flipped (cDPO).
         simpo_gamma: >= 0, SimPO's target reward margin (``loss_type="simpo"`` only).
+        nll_coef: >= 0, alpha of RPO (Pang et al. 2024, arXiv 2404.19733): the loss adds alpha times the
+            chosen responses' per-token negative log-likelihood (``functional.chosen_nll``, logged as
+            ``{stage}/nll_loss``; ``{stage}/loss`` includes it), which keeps their likelihood from falling
+            with the rejected ones' (TRL's ``rpo_alpha``). 0 (default) is plain DPO / IPO / SimPO.
         precompute_ref_logprobs: score the whole training and validation sets with the reference once,
             when fitting starts, keep the log-probs per pair (by ``row_index``) and free the reference;
             needs a data module with ``train_dataset``/``val_dataset``/``collator`` (PreferenceDataModule).
@@ -91,6 +98,7 @@ class DPOModule(SingleModelModule):
         loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
         label_smoothing: float = 0.0,
         simpo_gamma: float = 0.0,
+        nll_coef: float = 0.0,
         precompute_ref_logprobs: bool = False,
         disable_dropout: bool = True,
         shared_prefix: Literal["auto", "on", "off"] = "auto",
@@ -105,6 +113,8 @@ class DPOModule(SingleModelModule):
         model = ModelSpec.coerce(model, "model")
         reference = None if reference is None else ModelSpec.coerce(reference, "reference")
         _validate(reference, beta, loss_type, label_smoothing, simpo_gamma, precompute_ref_logprobs, num_samples)
+        if not (math.isfinite(nll_coef) and nll_coef >= 0):
+            raise ValueError(f"DPOModule: nll_coef must be a finite number >= 0, got {nll_coef}")
         check_shared_prefix_mode(shared_prefix, "DPOModule: shared_prefix")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(model, build_causal_lm, optimizer, scheduler)
@@ -121,8 +131,9 @@ class DPOModule(SingleModelModule):
         # split -> (rows, 2) float32 reference log-probs (chosen, rejected) summed over the response
         self.ref_logps: dict[str, torch.Tensor] = {}
         self._reference_released = False
-        self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in DPO_METRICS})
-        self.test_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in DPO_METRICS})
+        metrics = (*DPO_METRICS, NLL_METRIC)
+        self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in metrics})
+        self.test_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in metrics})
         self._sample_prompts: list[torch.Tensor] = []
 
     # -- the algorithm -----------------------------------------------------------------------------
@@ -135,6 +146,7 @@ class DPOModule(SingleModelModule):
         logps, n_tokens = self._logprobs(self.model, batch, layout)  # (2B,), (2B,)
         # 2. Reference log-probs: looked up (precomputed) or one frozen forward; none for SimPO.
         ref_logps = None if hp.loss_type == "simpo" else self._reference_logps(batch, split, layout)  # (2B,)
+        chosen_sums, chosen_tokens = logps.chunk(2)[0], n_tokens.chunk(2)[0]  # (B,), (B,)
         # 3. IPO and SimPO compare per-token (length-averaged) log-probs.
         if hp.loss_type in ("ipo", "simpo"):
             logps = logps / n_tokens.clamp(min=1)  # (2B,)
@@ -142,7 +154,7 @@ class DPOModule(SingleModelModule):
         # 4. The preference loss on the B pairs (chosen rows first).
         policy_chosen, policy_rejected = logps.chunk(2)  # (B,), (B,)
         ref_chosen, ref_rejected = (None, None) if ref_logps is None else ref_logps.chunk(2)  # (B,), (B,)
-        return dpo_loss(
+        loss, stats = dpo_loss(
             policy_chosen,
             policy_rejected,
             ref_chosen,
@@ -152,6 +164,11 @@ class DPOModule(SingleModelModule):
             label_smoothing=hp.label_smoothing,
             simpo_gamma=hp.simpo_gamma,
         )
+        # 5. RPO: the chosen responses' per-token NLL (nll_coef > 0).
+        if hp.get("nll_coef", 0.0):
+            nll = chosen_nll(chosen_sums, chosen_tokens)  # ()
+            loss, stats[NLL_METRIC] = loss + hp.nll_coef * nll, nll.detach()
+        return loss, stats
 
     def _pair_layout(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> SharedPrefixLayout | None:
         """The shared-prompt layout of the batch's pairs when ``shared_prefix`` packs them, else None."""
