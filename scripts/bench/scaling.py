@@ -3,21 +3,26 @@ grows, lit_rlhf against TRL.
 
     .venv/bin/python scripts/bench/scaling.py --trl-python .bench-venv/bin/python --out scaling.json
         [--size full|smoke] [--axes prompt_len,k,model,vocab] [--algos grpo,dpo] [--repeats 1]
+        [--responses fixed|eos]
     .venv/bin/python scripts/bench/scaling_plot.py scaling.json --out-dir docs/scaling
 
 Every point is the W1 GRPO workload (grpo_bench.py) or the W2 DPO workload (pair_bench.py --algo dpo) with
 one setting moved away from the base point (``BASE``): the prompt length (every prompt exactly that many
 tokens), K (responses per prompt), the model (hidden size and layers of the Llama actor) or the vocabulary
 (a byte-level BPE trained to exactly that many tokens, and the actor's embedding and LM head to match).
-Everything else is W1's / W2's (workloads.py): responses of <= 64 EOS-stopped tokens sampled at
-temperature 1 (the actor calibrated to EOS probability 1/32, ``workloads.calibrate_eos``), the same loss
-settings; DPO pairs have a chosen and a rejected response of ``PAIR_RESPONSE`` tokens each.
+Everything else is W1's / W2's (workloads.py): responses sampled at temperature 1 with <= 64 new tokens, the
+same loss settings; DPO pairs have a chosen and a rejected response of ``PAIR_RESPONSE`` tokens each.
+``--responses fixed`` (the default) gives EOS probability 0 in the actor's weights (:func:`never_eos`), so
+every response is 64 tokens and every rollout of a point does the same work for both libraries; ``eos``
+keeps W1's EOS-stopped responses (EOS probability 1/32, mean ~27 tokens, ``workloads.calibrate_eos``),
+where a rollout's time follows its sampled lengths (the decoding runs to the longest of the K), which at a
+few timed rollouts per point swamps the axis being varied at small K.
 
 Per point, lit_rlhf and the TRL release of ``--trl-python`` run in their own processes, one after the
 other, the order alternating from point to point (lit, trl; trl, lit; ...). A GRPO run does one warm-up
 rollout and ``rollouts`` timed ones; a DPO run one warm-up step and ``dpo_steps`` timed ones of W2's 2
-pairs each (``workloads.SIZES["full"]``). A run that
-fails (out of memory, a timeout) is recorded with its error, never dropped. ``--out`` writes every raw
+pairs each (``workloads.SIZES["full"]``). A run that fails (out of memory, a timeout) is recorded with its
+error, never dropped. ``--out`` writes every raw
 result with the CPU model and the package versions.
 """
 
@@ -144,10 +149,21 @@ def point_data(point: dict, size: str, words: list[str], tok, word_ids: dict) ->
     return dict(grpo_prompts=prompts, pairs=pairs)
 
 
-def build(root: Path, size: str, todo: list[dict]) -> None:
+def never_eos(actor, eos: int) -> None:
+    """After ``workloads.calibrate_eos``: the LM head gives EOS a logit of about -300 at every position
+    (it reads the constant hidden dimension 0, ~1.5 after the final norm, with weight -200), so EOS has
+    probability 0 in float32 and every response runs to ``MAX_NEW_TOKENS``. In the weights, so neither
+    library needs a logits processor for it."""
+    import torch
+
+    with torch.no_grad():
+        actor.get_output_embeddings().weight[eos, 0] = -200.0
+
+
+def build(root: Path, size: str, todo: list[dict], responses: str) -> None:
     """Assets of every point (``root/<point_name>/actor`` and ``data.json``), in lit_rlhf's environment:
     a tokenizer per vocabulary (:func:`vocabulary`), the data (:func:`point_data`) and the EOS-calibrated
-    random-init actor (``workloads.calibrate_eos``)."""
+    random-init actor (``workloads.calibrate_eos``; with ``responses="fixed"`` also :func:`never_eos`)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -169,6 +185,8 @@ def build(root: Path, size: str, todo: list[dict]) -> None:
         torch.manual_seed(0)
         actor = LlamaForCausalLM(LlamaConfig(**model_fields(point, special)))
         calibrate_eos(actor, tok.eos_token_id, [p["ids"] for p in data["grpo_prompts"]])
+        if responses == "fixed":
+            never_eos(actor, tok.eos_token_id)
         actor.generation_config = GenerationConfig(suppress_tokens=[tok.pad_token_id], **special)
         actor.save_pretrained(out / "actor")
         tok.save_pretrained(out / "actor")
@@ -224,6 +242,10 @@ def main() -> None:
     parser.add_argument(
         "--assets", default=".bench-assets/scaling", help="where the points' assets are built"
     )
+    parser.add_argument(
+        "--responses", choices=["fixed", "eos"], default="fixed",
+        help="fixed: every response 64 tokens (EOS never sampled); eos: W1's EOS-stopped responses (mean ~27)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each implementation per point")
     parser.add_argument("--out", required=True)
@@ -235,13 +257,13 @@ def main() -> None:
     from compare import Runner
 
     sweep, axes = SWEEPS[args.size], tuple(args.axes.split(","))
-    root = Path(args.assets).resolve() / args.size
+    root = Path(args.assets).resolve() / f"{args.size}_{args.responses}"
     todo = {algo: points(args.size, axes, algo) for algo in args.algos.split(",")}
     unique = list({point_name(p): p for ps in todo.values() for p in ps}.values())
-    build_args = json.dumps([str(root), args.size, unique])
+    build_args = json.dumps([str(root), args.size, unique, args.responses])
     subprocess.run([sys.executable, __file__, "--build", build_args], check=True, env=child_env(args.threads))
     runner = Runner(args, Path.cwd())
-    result = dict(cpu=cpu_model(), threads=args.threads, size=args.size, sweep=sweep, models=MODELS,
+    result = dict(cpu=cpu_model(), threads=args.threads, size=args.size, responses=args.responses, sweep=sweep, models=MODELS,
                   pair_response=PAIR_RESPONSE, runs={})  # fmt: skip
     turn, start = 0, time.perf_counter()
     for algo, algo_points in todo.items():
@@ -271,10 +293,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--build"]:
-        root, size, todo = json.loads(sys.argv[2])
+        root, size, todo, responses = json.loads(sys.argv[2])
         import torch
 
         torch.set_num_threads(1)
-        build(Path(root), size, todo)
+        build(Path(root), size, todo, responses)
     else:
         main()
