@@ -78,7 +78,7 @@ def test_point_data_has_exact_lengths_and_tokenizes_to_its_ids():
 
 
 def grpo_run(totals: list[float], rss: float) -> dict:
-    rollouts = [dict(total=t, cpu_total=t) for t in totals]
+    rollouts = [dict(total=t, cpu_total=t, generation=t / 2, scoring=0.0, update=t / 2) for t in totals]
     return dict(rollouts=rollouts, response_tokens=[10] * len(totals), peak_rss_mb=rss, actor_params=5)
 
 
@@ -100,5 +100,7 @@ def test_curves_take_medians_of_timed_rollouts_and_keep_failures():
     assert at8["lit"]["rss"] == 100 and at16["lit"]["time"] == 5.0
     assert at16["trl"] == dict(error="exit code -9")
     table = scaling_plot.table(result)
-    assert "| W1 GRPO | k | 8 |" in table and "**2.50**" in table  # 5.0 / 2.0
+    assert "| W1 GRPO, s / rollout | k | 8 |" in table and "**2.50**" in table  # 5.0 / 2.0
+    assert "| 2 [1-3] | 5 [4-9] |" in table  # the medians with the min-max of the timed rollouts
+    assert "1.00/0.00/1.00 vs 2.50/0.00/2.50" in table  # the phase split, medians
     assert "failed" in table and "exit code -9" in table

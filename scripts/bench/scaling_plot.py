@@ -25,33 +25,35 @@ TITLES = dict(grpo="W1 GRPO", dpo="W2 DPO")
 COLOURS = dict(lit="tab:blue", trl="tab:orange")
 
 
-def run_figures(run: dict, algo: str) -> dict | None:
-    """Time (wall and CPU), peak RSS (MB), parameters and response tokens of one run; None if it failed."""
+def run_figures(run: dict, algo: str) -> list[dict] | None:
+    """Per timed rollout (GRPO) or for the timed steps (DPO, one entry): wall and CPU time, peak RSS (MB),
+    parameters, response tokens and (GRPO) the generation / scoring / update split; None if it failed."""
     if "error" in run:
         return None
-    if algo == "grpo":
-        timed = run["rollouts"][1:]
-        time = statistics.median(r["total"] for r in timed)
-        cpu = statistics.median(r["cpu_total"] for r in timed)
-        tokens = statistics.median(run["response_tokens"][1:])
-        params = run["actor_params"]
-    else:
-        time, cpu, tokens, params = 1 / run["pairs_per_s"], 1 / run["cpu_pairs_per_s"], None, run["params"]
-    return dict(time=time, cpu=cpu, rss=run["peak_rss_mb"], params=params, tokens=tokens)
+    if algo == "dpo":
+        return [dict(time=1 / run["pairs_per_s"], cpu=1 / run["cpu_pairs_per_s"], rss=run["peak_rss_mb"],
+                     params=run["params"], tokens=None, generation=None, scoring=None, update=None)]  # fmt: skip
+    return [
+        dict(time=r["total"], cpu=r["cpu_total"], rss=run["peak_rss_mb"], params=run["actor_params"],
+             tokens=tokens, generation=r["generation"], scoring=r["scoring"], update=r["update"])
+        for r, tokens in zip(run["rollouts"][1:], run["response_tokens"][1:])
+    ]  # fmt: skip
 
 
 def point_figures(entry: dict, algo: str) -> dict[str, dict]:
-    """Per implementation: the medians over the point's repeats (or ``{"error": ...}`` if none finished)."""
+    """Per implementation: the medians over the timed rollouts of all the point's repeats (DPO: over its
+    repeats) and the time's min-max, or ``{"error": ...}`` if no run finished."""
     out = {}
     for impl in ("lit", "trl"):
         figures = [run_figures(rep[impl], algo) for rep in entry["runs"] if impl in rep]
-        done = [f for f in figures if f is not None]
+        done = [row for f in figures if f is not None for row in f]
         if not done:
             out[impl] = dict(error=next(rep[impl]["error"] for rep in entry["runs"] if impl in rep))
             continue
         out[impl] = {
             k: None if done[0][k] is None else statistics.median(d[k] for d in done) for k in done[0]
         }
+        out[impl]["time_range"] = (min(d["time"] for d in done), max(d["time"] for d in done))
     return out
 
 
@@ -97,18 +99,24 @@ def plot_axis(result: dict, axis: str, path: Path) -> None:
                     panel.plot(*zip(*good), "o-", color=COLOURS[impl], label=label)
                 if bad:
                     panel.plot(bad, [0] * len(bad), "x", color=COLOURS[impl], ms=10, label=f"{label}: failed")
+        for value, figs in points:
+            if "error" not in figs["lit"] and "error" not in figs["trl"]:
+                ratio = figs["trl"]["time"] / figs["lit"]["time"]
+                row[0].annotate(f"{ratio:.2f}x", (x_value(axis, value, figs), figs["trl"]["time"]),
+                                textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)  # fmt: skip
         row[0].set_ylabel(f"{TITLES[algo]}: {UNITS[algo]}")
         row[1].set_ylabel(f"{TITLES[algo]}: peak RSS (GB)")
         for panel in row:
             panel.set_xscale("log", base=2 if axis in ("prompt_len", "k") else 10)
             panel.set_xlabel(AXIS_LABELS[axis])
-            panel.set_ylim(bottom=0)
+            panel.set_ylim(0, panel.get_ylim()[1] * 1.1)  # room for the ratio labels
             panel.grid(alpha=0.3)
             ticks = [x_value(axis, v, f) for v, f in points]
             panel.set_xticks(ticks, [tick_label(axis, v, t) for (v, _), t in zip(points, ticks)])
             panel.minorticks_off()
         row[0].legend(fontsize=8)
-    fig.suptitle(f"Cost against {AXIS_LABELS[axis]}; {result['cpu']}, {result['threads']} thread", fontsize=9)
+    fig.suptitle(f"Cost against {AXIS_LABELS[axis]} (labels: TRL time / lit_rlhf time); {result['cpu']}, "
+                 f"{result['threads']} thread", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -125,8 +133,8 @@ def tick_label(axis: str, value, x: float) -> str:
 def table(result: dict) -> str:
     """One markdown row per point of each curve: time lit / TRL, their ratio, peak RSS, tokens."""
     lines = [
-        "| workload | axis | value | actor params | lit_rlhf | TRL | TRL/lit time | peak RSS MB lit / TRL | "
-        "response tokens / rollout lit / TRL |",
+        "| workload | axis | value | actor params | lit_rlhf [min-max] | TRL [min-max] | TRL/lit time | "
+        "peak RSS MB lit / TRL | GRPO generation / scoring / update s, lit vs TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for algo in ("grpo", "dpo"):
@@ -138,12 +146,22 @@ def table(result: dict) -> str:
                 def cell(f: dict, key: str, fmt: str) -> str:
                     return "failed" if "error" in f else (format(f[key], fmt) if f[key] is not None else "-")
 
+                def timed(f: dict) -> str:
+                    return (
+                        "failed"
+                        if "error" in f
+                        else f"{f['time']:.3g} [{f['time_range'][0]:.3g}-{f['time_range'][1]:.3g}]"
+                    )
+
+                def split(f: dict) -> str:
+                    return "/".join(cell(f, k, ".2f") for k in ("generation", "scoring", "update"))
+
                 ratio = "-" if "error" in lit or "error" in trl else f"**{trl['time'] / lit['time']:.2f}**"
                 lines.append(
-                    f"| {TITLES[algo]} | {axis} | {tick_label(axis, value, params)} | {params / 1e6:.1f}M | "
-                    f"{cell(lit, 'time', '.3g')} {UNITS[algo]} | {cell(trl, 'time', '.3g')} | {ratio} | "
+                    f"| {TITLES[algo]}, {UNITS[algo]} | {axis} | {tick_label(axis, value, params)} | {params / 1e6:.1f}M | "
+                    f"{timed(lit)} | {timed(trl)} | {ratio} | "
                     f"{cell(lit, 'rss', '.0f')} / {cell(trl, 'rss', '.0f')} | "
-                    f"{cell(lit, 'tokens', '.0f')} / {cell(trl, 'tokens', '.0f')} |"
+                    f"{split(lit) + ' vs ' + split(trl) if algo == 'grpo' else '-'} |"
                 )
     errors = [f"{algo} {name} {impl}: {rep[impl]['error']}" for algo, entries in result["runs"].items()
               for name, entry in entries.items() for rep in entry["runs"] for impl in rep
