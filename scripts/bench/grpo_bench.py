@@ -30,11 +30,12 @@ from common import (  # noqa: E402
     default_optimizer,
     emit,
     footprint,
+    load_json,
     set_threads,
     trl_precision,
     with_overrides,
 )
-from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward, load_rows  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, SIZES, assets_dir, bench_reward  # noqa: E402
 
 
 def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
@@ -66,13 +67,13 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
             timeline.mark("iter_end")
             timeline.engine.append(module.engine.stats())
 
-    size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
+    size, folder = SIZES[args.size], asset_folder(args)
     kwargs = dict(
         actor=ModelSpec(name_or_path=str(folder / "actor")),
         reward_fn="workloads:bench_reward",
         advantage=dict(estimator="grpo"),
         generation=GenerationSettings(
-            max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=GRPO["num_generations"]
+            max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=args.k
         ),
         update=dict(
             epochs=1,
@@ -83,15 +84,15 @@ def run_lit(args, timeline: Timeline, tokens: list[int]) -> int:
             max_grad_norm=GRPO["max_grad_norm"],
         ),
         kl=dict(coef=0.0, loss_coef=GRPO["beta"], loss_estimator="k3"),
-        max_rollouts=size["grpo_rollouts"],
+        max_rollouts=args.rollouts,
         samples=dict(every=0),
         actor_optimizer=default_optimizer(
             CriticFreeModule, "actor_optimizer", lr=GRPO["lr"], weight_decay=0.0
         ),
     )
     module = TimedGRPO(**with_overrides(kwargs, args.lit_args))
-    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
-    rows = [{"prompt_input_ids": p["ids"]} for p in prompts[: size["grpo_groups"] * size["grpo_rollouts"]]]
+    prompts = load_json(folder / "data.json")["grpo_prompts"]
+    rows = [{"prompt_input_ids": p["ids"]} for p in prompts[: size["grpo_groups"] * args.rollouts]]
     loader = torch.utils.data.DataLoader(
         rows, batch_size=size["grpo_groups"], collate_fn=PromptCollator(module.tokenizer.pad_token_id)
     )
@@ -132,13 +133,13 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
 
     if args.trl_compact_head:
         compact_fused_head()
-    size, folder = SIZES[args.size], assets_dir(args.assets, args.size)
+    size, folder = SIZES[args.size], asset_folder(args)
     tokenizer = AutoTokenizer.from_pretrained(folder / "actor", padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(folder / "actor", dtype=torch.float32)
-    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
-    n = size["grpo_groups"] * size["grpo_rollouts"]
+    prompts = load_json(folder / "data.json")["grpo_prompts"]
+    n = size["grpo_groups"] * args.rollouts
     data = Dataset.from_dict({"prompt": [p["text"] for p in prompts[:n]]})
-    rows = size["grpo_groups"] * GRPO["num_generations"]
+    rows = size["grpo_groups"] * args.k
     with tempfile.TemporaryDirectory() as root:
         config = GRPOConfig(
             output_dir=root,
@@ -146,7 +147,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             gradient_accumulation_steps=1,
             steps_per_generation=1,
             num_iterations=1,
-            num_generations=GRPO["num_generations"],
+            num_generations=args.k,
             max_completion_length=MAX_NEW_TOKENS,
             temperature=GRPO["temperature"],
             top_p=1.0,
@@ -161,7 +162,7 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
             lr_scheduler_type="constant",
             weight_decay=0.0,
             max_grad_norm=GRPO["max_grad_norm"],
-            max_steps=size["grpo_rollouts"],
+            max_steps=args.rollouts,
             shuffle_dataset=False,
             disable_dropout=True,
             logging_steps=1,
@@ -174,6 +175,11 @@ def run_trl(args, timeline: Timeline, tokens: list[int]) -> int:
         )  # fmt: skip
         trainer.train()
     return sum(p.numel() for p in model.parameters())
+
+
+def asset_folder(args) -> Path:
+    """The folder of the actor and data.json: ``--folder``, else the workload assets of ``--size``."""
+    return Path(args.folder) if args.folder else assets_dir(args.assets, args.size)
 
 
 def compact_fused_head() -> None:
@@ -204,7 +210,14 @@ def main() -> None:
         "--trl-compact-head", action="store_true",
         help="what-if: TRL >= 1.13's fused LM head scores the completion tokens only on the CPU (compact_fused_head)",
     )  # fmt: skip
+    parser.add_argument(
+        "--folder", help="the asset folder itself (actor/, data.json: a point of scaling.py) instead of "
+        "--assets' v32k_<size>",
+    )  # fmt: skip
+    parser.add_argument("--k", type=int, default=GRPO["num_generations"], help="responses per prompt")
+    parser.add_argument("--rollouts", type=int, help="rollouts per run, the first a warm-up (default: --size)")
     args = parser.parse_args()
+    args.rollouts = args.rollouts or SIZES[args.size]["grpo_rollouts"]
     set_threads(args.threads)
     import torch
 
@@ -223,7 +236,7 @@ def main() -> None:
             threads=torch.get_num_threads(),
             actor_params=actor_params,
             response_tokens=tokens,
-            rows_per_rollout=SIZES[args.size]["grpo_groups"] * GRPO["num_generations"],
+            rows_per_rollout=SIZES[args.size]["grpo_groups"] * args.k,
             rollouts=rollouts,
             engine_stats=timeline.engine,
             **footprint(args.impl),

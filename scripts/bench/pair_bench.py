@@ -25,14 +25,28 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TRL_COMMON, StepClock, bench_parser, default_optimizer, emit, footprint, set_threads  # noqa: E402
-from workloads import PAIRS, SIZES, assets_dir, load_rows  # noqa: E402
+from common import (  # noqa: E402
+    TRL_COMMON,
+    StepClock,
+    bench_parser,
+    default_optimizer,
+    emit,
+    footprint,
+    load_json,
+    set_threads,
+)
+from workloads import PAIRS, SIZES, assets_dir  # noqa: E402
 
 
 def settings(args) -> tuple[int, int]:
     """(pairs per step, steps including the warm-up one) of this run's size."""
     size = SIZES[args.size]
-    return size[f"{args.algo}_pairs_per_step"], size[f"{args.algo}_steps"] + 1
+    return size[f"{args.algo}_pairs_per_step"], (args.steps or size[f"{args.algo}_steps"]) + 1
+
+
+def asset_folder(args) -> Path:
+    """The folder of the models and data.json: ``--folder``, else the workload assets of ``--size``."""
+    return Path(args.folder) if args.folder else assets_dir(args.assets, args.size)
 
 
 def run_lit(args, clock: StepClock, pairs_done: list[int]) -> int:
@@ -48,7 +62,7 @@ def run_lit(args, clock: StepClock, pairs_done: list[int]) -> int:
             clock.tick()
             pairs_done.append(int(batch["row_index"].numel()))
 
-    folder, (per_step, steps) = assets_dir(args.assets, args.size), settings(args)
+    folder, (per_step, steps) = asset_folder(args), settings(args)
     if args.algo == "rm":
         module = RewardModelModule(
             model=ModelSpec(name_or_path=str(folder / "reward")),
@@ -72,7 +86,7 @@ def run_lit(args, clock: StepClock, pairs_done: list[int]) -> int:
             "rejected_input_ids": p["rejected"]["ids"],
             "row_index": i,
         }
-        for i, p in enumerate(load_rows(args.assets, args.size)["pairs"][: per_step * steps])
+        for i, p in enumerate(load_json(folder / "data.json")["pairs"][: per_step * steps])
     ]
     loader = torch.utils.data.DataLoader(
         rows, batch_size=per_step, collate_fn=PreferenceCollator(module.tokenizer.pad_token_id)
@@ -99,8 +113,8 @@ def run_trl(args, clock: StepClock, pairs_done: list[int]) -> int:
     )
     from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
-    folder, (per_step, steps) = assets_dir(args.assets, args.size), settings(args)
-    pairs = load_rows(args.assets, args.size)["pairs"][: per_step * steps]
+    folder, (per_step, steps) = asset_folder(args), settings(args)
+    pairs = load_json(folder / "data.json")["pairs"][: per_step * steps]
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
@@ -156,6 +170,11 @@ def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--algo", choices=["rm", "dpo"], required=True)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument(
+        "--folder", help="the asset folder itself (actor/, data.json: a point of scaling.py) instead of "
+        "--assets' v32k_<size>",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, help="timed steps after the warm-up one (default: --size's)")
     args = parser.parse_args()
     set_threads(args.threads)
     import torch
