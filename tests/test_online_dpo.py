@@ -69,6 +69,7 @@ def tiny_online_dpo(tokenizer_dir: str, **overrides) -> OnlineDPOModule:
             "must be 'auto' or 'none' for online DPO",
         ),
         ({"reward_fn": None}, ValueError, "exactly one of reward_model"),
+        ({"preference": {"nll_coef": -1.0}}, ValueError, "preference.nll_coef must be >= 0"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(tokenizer_dir, overrides, error, message):
@@ -142,6 +143,23 @@ def test_the_loss_is_functional_dpo_of_each_prompts_best_and_worst(tokenizer_dir
     other[3:, 3:] = torch.randint(5, 300, (3, 5), generator=torch.Generator().manual_seed(1))
     again, _ = module.preference_loss(dataclasses.replace(rollout, input_ids=other))
     torch.testing.assert_close(again, loss)
+
+
+def test_nll_coef_adds_the_chosen_responses_per_token_nll(tokenizer_dir):
+    # the pair of prompt 0: row 1 chosen over row 0; the loss gains alpha * -(log pi of row 1) / its tokens
+    overrides = dict(generation={"max_new_tokens": 5, "num_samples": 3}, scoring={"forward_batch_size": 6})
+    plain = tiny_online_dpo(tokenizer_dir, **overrides, preference={"beta": 0.5})
+    rpo = tiny_online_dpo(tokenizer_dir, **overrides, preference={"beta": 0.5, "nll_coef": 0.7})
+    rollout, logprobs, _ = constructed_rollout(plain, [1.0, 3.0, 2.0, 4.0, 4.0, 4.0])
+    for module in (plain, rpo):
+        module.pair_roles = torch.tensor([-1, 1, 0, 0, 0, 0])
+    base, base_stats = plain.preference_loss(rollout)
+    loss, stats = rpo.preference_loss(rollout)
+    mask = rollout.loss_mask
+    nll = -logprobs[1][mask[1]].sum() / mask[1].sum()
+    torch.testing.assert_close(stats["nll_loss"], nll)
+    torch.testing.assert_close(base_stats["nll_loss"], nll)  # logged with nll_coef 0 too
+    torch.testing.assert_close(loss, base + 0.7 * nll)
 
 
 def test_a_micro_batch_without_pairs_has_zero_loss_and_gradient(tokenizer_dir):

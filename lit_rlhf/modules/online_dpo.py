@@ -33,14 +33,14 @@ from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.models import ModelSpec
-from lit_rlhf.modules.dpo import DPO_METRICS
+from lit_rlhf.modules.dpo import DPO_METRICS, NLL_METRIC
 from lit_rlhf.modules.online import OnlineRLModule
 from lit_rlhf.modules.online_settings import KLSettings, UpdateSettings
 from lit_rlhf.modules.optim import PolicyAdamW
 from lit_rlhf.rollout import GenerationSettings, Rollout
 from lit_rlhf.settings import Settings
 
-ONLINE_DPO_LOSS_STATS = ("loss", *DPO_METRICS, "scores_margin", "policy_kl", "ratio_mean")
+ONLINE_DPO_LOSS_STATS = ("loss", *DPO_METRICS, NLL_METRIC, "scores_margin", "policy_kl", "ratio_mean")
 
 
 @dataclass
@@ -53,6 +53,8 @@ class PreferenceSettings(Settings):
             2023, arXiv 2310.12036 eq. 17, on length-averaged log-probs).
         label_smoothing: in [0, 0.5), the assumed probability that the ranking is wrong (conservative DPO;
             ``sigmoid`` only).
+        nll_coef: >= 0, RPO's alpha (Pang et al. 2024, arXiv 2404.19733): the loss adds alpha times the chosen
+            responses' per-token NLL (``functional.chosen_nll``; ``nll_loss`` is logged either way).
     """
 
     group: ClassVar[str] = "preference"
@@ -60,9 +62,11 @@ class PreferenceSettings(Settings):
     beta: float = 0.1
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: float = 0.0
+    nll_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        self.require_finite("beta", "label_smoothing")
+        self.require_finite("beta", "label_smoothing", "nll_coef")
+        self.require("nll_coef", self.nll_coef >= 0, ">= 0")
         self.require("beta", self.beta > 0, "> 0")
         self.require_choice("loss_type", ("sigmoid", "ipo"))
         self.require("label_smoothing", 0 <= self.label_smoothing < 0.5, "in [0, 0.5)")
@@ -242,8 +246,11 @@ class OnlineDPOModule(OnlineRLModule):
             policy[chosen], policy[rejected], reference[chosen], reference[rejected], pref.beta, pref.loss_type,
             pref.label_smoothing,
         )  # fmt: skip
+        nll = F.chosen_nll(sequence_logps(logprobs, mask, "sigmoid")[chosen], mask[chosen].sum(dim=1))  # ()
+        if pref.nll_coef:
+            loss = loss + pref.nll_coef * nll
         scores_margin = (part.scores[chosen] - part.scores[rejected]).mean()
-        return loss, {**stats, "loss": loss.detach(), "scores_margin": scores_margin, **drift}
+        return loss, {**stats, NLL_METRIC: nll.detach(), "loss": loss.detach(), "scores_margin": scores_margin, **drift}
 
     @override
     def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:
