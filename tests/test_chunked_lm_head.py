@@ -30,7 +30,7 @@ from lit_rlhf.models import (
     shared_prefix_layout,
 )
 from lit_rlhf.models import lm_head as lm_head_module
-from lit_rlhf.models.lm_head import auto_chunks
+from lit_rlhf.models.lm_head import auto_chunks, chunk_tokens
 from lit_rlhf.models.scoring import _forward_kwargs
 
 VOCAB = 300
@@ -42,6 +42,7 @@ def small_chunks(monkeypatch):
     """5 tokens per chunk, so every test runs several chunks (and a ragged last one)."""
     monkeypatch.setattr(lm_head_module, "_CHUNK_ELEMENTS", 5 * VOCAB)
     monkeypatch.setattr(lm_head_module, "_NO_GRAD_CHUNK_ELEMENTS", 5 * VOCAB)
+    monkeypatch.setattr(lm_head_module, "_MIN_CHUNK_TOKENS", 1)
 
 
 def _model(kind: str, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> torch.nn.Module:
@@ -469,3 +470,38 @@ def test_auto_chunks_by_vocabulary_and_gradient_mode():
     policy_forward(big, ids, mask, T, temperature=1.0)
     handle.remove()
     assert seen == [(B, 0, 32), (n_real, 32)]
+
+
+def test_chunk_tokens_have_a_floor_at_large_vocabularies(monkeypatch):
+    """The module's own defaults: 2**21 logits per chunk without gradients (65 tokens at V = 32,000),
+    2**22 with, and never fewer than 64 tokens (a chunk of 16 at V = 128,000 would re-read the head weight
+    32 times for 512 tokens); an explicit chunk_elements is taken as given."""
+    monkeypatch.undo()  # the real constants, not the fixture's
+    assert chunk_tokens(32000, grad=False) == 65 and chunk_tokens(32000, grad=True) == 131
+    assert chunk_tokens(128000, grad=False) == 64 and chunk_tokens(128000, grad=True) == 64
+    assert chunk_tokens(128000, grad=False, chunk_elements=2 * 128000) == 2
+    assert chunk_tokens(10, grad=False, chunk_elements=3) == 1
+
+
+def test_floor_chunks_equal_full_logits_and_bound_the_chunk(monkeypatch):
+    """At V = 40,000 (2**21 // V = 52 < 64) the scoring forward's head sees chunks of 64 tokens and a ragged
+    last one, and its log-probs equal the full-logits path's to float rounding."""
+    monkeypatch.undo()
+    vocab, rows, t = 40000, 2, 40
+    model = _model("llama", vocab=vocab)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (rows, P + t), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # 75 real response tokens: one chunk of 64, one of 11
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        set_logits_chunking(model, "auto")
+        chunked, _, _ = policy_forward(model, ids, mask, t, temperature=0.7, entropy=False)
+        handle.remove()
+        set_logits_chunking(model, "off")
+        plain, _, _ = policy_forward(model, ids, mask, t, temperature=0.7, entropy=False)
+    assert seen[1:] == [64, 11]
+    real = mask[:, -t:].bool()
+    torch.testing.assert_close(chunked[real], plain[real], rtol=1e-5, atol=1e-5)
+    assert (chunked[~real] == 0).all()
