@@ -165,7 +165,7 @@ class DPOModule(SingleModelModule):
             simpo_gamma=hp.simpo_gamma,
         )
         # 5. RPO: the chosen responses' per-token NLL (nll_coef > 0).
-        if hp.get("nll_coef", 0.0):
+        if hp.nll_coef:
             nll = chosen_nll(chosen_sums, chosen_tokens)  # ()
             loss, stats[NLL_METRIC] = loss + hp.nll_coef * nll, nll.detach()
         return loss, stats

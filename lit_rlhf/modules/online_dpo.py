@@ -240,13 +240,13 @@ class OnlineDPOModule(OnlineRLModule):
         if chosen.numel() == 0:
             zeros = {name: torch.zeros((), device=logprobs.device) for name in ONLINE_DPO_LOSS_STATS}
             return logprobs.sum() * 0.0, {**zeros, **drift}
-        policy = sequence_logps(logprobs, mask, pref.loss_type)  # (b,)
-        reference = sequence_logps(part.ref_logprobs, mask, pref.loss_type)  # (b,)
+        policy, sums, tokens = sequence_logps(logprobs, mask, pref.loss_type)  # (b,), (b,), (b,)
+        reference, _, _ = sequence_logps(part.ref_logprobs, mask, pref.loss_type)  # (b,)
         loss, stats = F.dpo_loss(
             policy[chosen], policy[rejected], reference[chosen], reference[rejected], pref.beta, pref.loss_type,
             pref.label_smoothing,
         )  # fmt: skip
-        nll = F.chosen_nll(sequence_logps(logprobs, mask, "sigmoid")[chosen], mask[chosen].sum(dim=1))  # ()
+        nll = F.chosen_nll(sums[chosen], tokens[chosen])  # ()
         if pref.nll_coef:
             loss = loss + pref.nll_coef * nll
         scores_margin = (part.scores[chosen] - part.scores[rejected]).mean()
@@ -285,10 +285,12 @@ def pair_rows(roles: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return chosen[paired], rejected[paired]
 
 
-def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
-    """(b, T) token log-probs -> (b,) sequence log-probs over the learned tokens: summed (DPO) or averaged
-    over them (IPO's per-token log-likelihoods, as ``DPOModule``)."""
-    total = F.masked_row_sum(logprobs, mask)  # (b,)
-    if loss_type == "ipo":
-        return total / mask.sum(dim=1).clamp(min=1)  # (b,)
-    return total
+def sequence_logps(
+    logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, T) token log-probs -> the (b,) sequence log-probs of ``loss_type`` over the learned tokens: summed
+    (DPO) or averaged over them (IPO's per-token log-likelihoods, as ``DPOModule``); with the (b,) sums and
+    the (b,) learned-token counts (RPO's NLL term reads them)."""
+    total, tokens = F.masked_row_sum(logprobs, mask), mask.sum(dim=1)  # (b,), (b,)
+    reduced = total / tokens.clamp(min=1) if loss_type == "ipo" else total  # (b,)
+    return reduced, total, tokens

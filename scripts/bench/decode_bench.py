@@ -41,9 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import cpu_model  # noqa: E402
 from matmul_peak import best_rate  # noqa: E402
-from workloads import GRPO, MAX_NEW_TOKENS, assets_dir, load_rows  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor  # noqa: E402
 
-from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
 
 LOOPS = ("generate", "lean")
@@ -101,10 +100,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = assets_dir(args.assets, args.size)
-    tokenizer = load_tokenizer(str(folder / "tokenizer"))
-    actor = build_causal_lm(ModelSpec(name_or_path=str(folder / "actor")), tokenizer).eval()
-    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
+    tokenizer, actor, prompts = load_w1_actor(args.assets, args.size)
     K = GRPO["num_generations"]
     base = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=K)
     phases = Phases(actor.get_base_model() if hasattr(actor, "get_base_model") else actor)

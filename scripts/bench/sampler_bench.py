@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import GRPO, MAX_NEW_TOKENS, assets_dir, load_rows  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor  # noqa: E402
 
-from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
 
 SAMPLERS = ("inverse_cdf", "multinomial")
@@ -40,10 +39,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = assets_dir(args.assets, args.size)
-    tokenizer = load_tokenizer(str(folder / "tokenizer"))
-    actor = build_causal_lm(ModelSpec(name_or_path=str(folder / "actor")), tokenizer).eval()
-    prompts = load_rows(args.assets, args.size)["grpo_prompts"]
+    tokenizer, actor, prompts = load_w1_actor(args.assets, args.size)
     K = GRPO["num_generations"]
     settings = {
         name: GenerationSettings(

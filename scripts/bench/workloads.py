@@ -215,6 +215,17 @@ def load_rows(folder: Path, size: str) -> dict:
     return json.loads((assets_dir(folder, size) / "data.json").read_text())
 
 
+def load_w1_actor(folder: Path, size: str):
+    """W1's prebuilt actor in eval mode, its tokenizer and the GRPO prompts (the lit_rlhf side of the
+    generation benchmarks: ``decode_bench.py``, ``sampler_bench.py``)."""
+    from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
+
+    assets = assets_dir(folder, size)
+    tokenizer = load_tokenizer(str(assets / "tokenizer"))
+    actor = build_causal_lm(ModelSpec(name_or_path=str(assets / "actor")), tokenizer).eval()
+    return tokenizer, actor, load_rows(folder, size)["grpo_prompts"]
+
+
 if __name__ == "__main__":
     # python scripts/bench/workloads.py DIR SIZE: build the 32k-vocabulary assets once
     import sys
