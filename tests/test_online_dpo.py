@@ -70,6 +70,8 @@ def tiny_online_dpo(tokenizer_dir: str, **overrides) -> OnlineDPOModule:
         ),
         ({"reward_fn": None}, ValueError, "exactly one of reward_model"),
         ({"preference": {"nll_coef": -1.0}}, ValueError, "preference.nll_coef must be >= 0"),
+        ({"kl": {"target": 0.0}}, ValueError, "kl.target must be > 0 or None"),
+        ({"kl": {"target": 2.0, "horizon": 0}}, ValueError, "kl.horizon must be >= 1"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(tokenizer_dir, overrides, error, message):
@@ -91,6 +93,15 @@ def test_defaults_two_samples_one_step_no_kl_in_the_reward(tokenizer_dir):
     kept = tiny_online_dpo(tokenizer_dir, kl={"estimator": "k3"})  # a kl dict without coef: coef 0, not 0.05
     assert (kept.kl.coef, kept.kl.estimator) == (0.0, "k3")
     assert module.hparams.kl["coef"] == 0.0
+
+
+def test_kl_target_adapts_beta_from_preference_beta(tokenizer_dir):
+    fixed = tiny_online_dpo(tokenizer_dir, preference={"beta": 0.3})
+    assert isinstance(fixed.kl_ctl, F.FixedKLController) and fixed.kl_ctl.value == 0.3
+    adaptive = tiny_online_dpo(tokenizer_dir, preference={"beta": 0.3}, kl={"target": 2.0, "horizon": 64})
+    ctl = adaptive.kl_ctl
+    assert isinstance(ctl, F.AdaptiveKLController) and (ctl.value, ctl.target, ctl.horizon) == (0.3, 2.0, 64)
+    assert adaptive.kl.coef == 0.0  # no penalty in the reward: the target steers beta
 
 
 def constructed_rollout(
@@ -137,6 +148,12 @@ def test_the_loss_is_functional_dpo_of_each_prompts_best_and_worst(tokenizer_dir
     torch.testing.assert_close(loss, functional)
     for name, value in functional_stats.items():
         torch.testing.assert_close(stats[name], value)
+    # the loss takes the controller's current beta (adapted with kl.target), not the configured one
+    module.kl_ctl.value = 0.25
+    adapted, _ = module.preference_loss(rollout)
+    expected = -torch.nn.functional.logsigmoid(0.25 * h) if loss_type == "sigmoid" else (h - 2.0) ** 2
+    torch.testing.assert_close(adapted, expected)
+    module.kl_ctl.value = 0.5
     assert stats["scores_margin"] == 2.0 and stats["ratio_mean"] == pytest.approx(1.0)
     # the tied prompt gives no gradient: its responses' tokens do not change the loss
     other = rollout.input_ids.clone()
@@ -199,9 +216,28 @@ def test_online_dpo_raises_the_rule_reward(tokenizer_dir, tmp_path):
                 "dpo/logps/rejected", "dpo/scores_margin", "dpo/beta", "dpo/lr_actor", "dpo/policy_kl", "rollout/entropy"}  # fmt: skip
     assert expected <= set(rows[-1])
     for row in rows:  # score - beta * KL (TRL's objective/rlhf_reward)
+        assert row["dpo/beta"] == pytest.approx(0.1)
         assert row["rollout/reward"] == pytest.approx(
             row["rollout/score"] - 0.1 * row["rollout/kl_ref"], abs=1e-4
         )
+
+
+def test_kl_target_steers_beta_by_the_rollouts_kl(tokenizer_dir, tmp_path):
+    # Ziegler et al.'s controller on beta, by hand from the logged KL: beta' = beta (1 + clip(KL / target - 1,
+    # +-0.2) B / horizon), B = 16 rows; the first rollout (KL 0) lowers beta by 20% x 16/32 = 10%
+    torch.manual_seed(0)
+    module = tiny_online_dpo(tokenizer_dir, max_rollouts=8, update={"epochs": 2}, preference={"beta": 0.2},
+                             kl={"target": 0.5, "horizon": 32})  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=32, batch_size=4))
+    rows = read_metrics(tmp_path)
+    assert rows[0]["dpo/beta"] == pytest.approx(0.2) and rows[1]["dpo/beta"] == pytest.approx(0.18)
+    beta = 0.2
+    for row in rows:
+        assert row["dpo/beta"] == pytest.approx(beta, rel=1e-5)
+        assert row["rollout/reward"] == pytest.approx(row["rollout/score"] - beta * row["rollout/kl_ref"], abs=1e-4)
+        beta *= 1 + min(max(row["rollout/kl_ref"] / 0.5 - 1, -0.2), 0.2) * 16 / 32
+    assert module.kl_ctl.value == pytest.approx(beta, rel=1e-5)
+    assert any(r["rollout/kl_ref"] > 0.5 for r in rows) and rows[-1]["dpo/beta"] > min(r["dpo/beta"] for r in rows)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt_file):
@@ -210,7 +246,7 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
     def run(root, callbacks=(), ckpt_path=None):
         torch.manual_seed(0)
         module = tiny_online_dpo(tokenizer_dir, max_rollouts=4, update={"epochs": 2, "num_minibatches": 2},
-                                 reward_fn="ppo_rewards:e_rate")  # fmt: skip
+                                 reward_fn="ppo_rewards:e_rate", kl={"target": 0.05, "horizon": 16})  # fmt: skip
         data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
         trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(
             module, data, ckpt_path=ckpt_path
@@ -220,4 +256,5 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
     full, resumed = uninterrupted_and_resumed(run, tmp_path)
     assert len(full) == 4 and len(resumed) == 2
     assert full[-1]["dpo/pairs"] > 0  # e_rate is dense: few ties
+    assert len({r["dpo/beta"] for r in full}) == 4  # beta adapted every rollout: its state resumes too
     assert_resumed_rows_equal(full, resumed)

@@ -175,11 +175,7 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         refuse_unsupported_shared_prefix(
             f"{type(self).__name__}: scoring.shared_prefix", self.shared_prefix, actor=self.actor, reference=self.reference
         )
-        self.kl_ctl = (
-            F.FixedKLController(self.kl.coef)
-            if self.kl.target is None
-            else F.AdaptiveKLController(self.kl.coef, self.kl.target, self.kl.horizon)
-        )
+        self.kl_ctl = self.build_kl_controller(self.kl.coef)
         self.buffer = ReplayBuffer(self.update.num_minibatches, self.rng_seed)
         update_names = (*self.loss_stats, *self.extra_metrics, "skipped_minibatches", "nonfinite_steps")
         self.rollout_metrics = MetricGroup((*ROLLOUT_METRICS, *self.reward_term_metrics()))
@@ -326,6 +322,12 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         """
         moments = self.trainer.strategy.reduce(F.masked_moments(x, mask), reduce_op="sum")
         return F.whiten_from_moments(x, mask, moments, shift_mean)
+
+    def build_kl_controller(self, coef: float) -> F.KLController:
+        """The controller of the KL coefficient starting at ``coef``: fixed, or adaptive towards ``kl.target``."""
+        if self.kl.target is None:
+            return F.FixedKLController(coef)
+        return F.AdaptiveKLController(coef, self.kl.target, self.kl.horizon)
 
     def update_kl_controller(self, kl: torch.Tensor, loss_mask: torch.Tensor) -> None:
         """Advance the KL controller with the mean sequence KL of every rank's rows."""

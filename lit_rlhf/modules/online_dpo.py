@@ -12,7 +12,8 @@ and reference log-probs are taken at ``generation.temperature`` (1.0 by default)
 
 Metrics, TRL's names under ``dpo/``: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies`` (the implicit rewards beta * log pi/pi_ref), ``logps/chosen``, ``logps/rejected``,
-``scores_margin`` (TRL's ``objective/scores_margin``: the reward source's chosen - rejected), ``beta``;
+``scores_margin`` (TRL's ``objective/scores_margin``: the reward source's chosen - rejected), ``beta`` (the
+rollout's, adapted when ``kl.target`` is set);
 ``pairs`` and ``ties`` (prompts with and without a pair, over all ranks); ``policy_kl`` and ``ratio_mean``
 (the update's drift from the rollout policy), ``lr_actor``. The rollout metrics are the base's:
 ``rollout/score`` (TRL's ``objective/scores``), ``rollout/kl_ref`` (``objective/kl``), ``rollout/entropy``,
@@ -106,9 +107,16 @@ class OnlineDPOUpdate(UpdateSettings):
 
 @dataclass
 class OnlineDPOKL(KLSettings):
-    """:class:`KLSettings` of online DPO: only ``estimator`` (of the logged ``rollout/kl_ref``) applies. The
-    KL to the reference is DPO's own (``preference.beta``), so there is no penalty in the reward (``coef`` 0)
-    and no KL loss term (``loss_coef`` 0)."""
+    """:class:`KLSettings` of online DPO. The KL to the reference is DPO's own (``preference.beta``), so there
+    is no penalty in the reward (``coef`` 0) and no KL loss term (``loss_coef`` 0).
+
+    ``estimator`` is that of the logged ``rollout/kl_ref``. ``target`` (None = a fixed beta) and ``horizon``
+    adapt beta itself: DPO's beta is the coefficient of the KL-regularised reward objective whose optimum its
+    loss fits (Rafailov et al. 2023, arXiv 2305.18290 eq. 3-4), so Ziegler et al.'s proportional controller
+    (arXiv 1909.08593 sec. 2.2), which steers PPO's KL coefficient, steers it the same way: starting from
+    ``preference.beta``, beta grows while the rollout's mean sequence KL to the reference is above
+    ``target`` nats and shrinks while it is below, each rollout by at most 20% x rows / ``horizon``.
+    """
 
     coef: float = 0.0
 
@@ -118,6 +126,10 @@ class OnlineDPOKL(KLSettings):
             self.require(
                 name, getattr(self, name) == 0, "0: online DPO's KL to the reference is preference.beta"
             )
+
+    @override
+    def check_adaptive_target(self) -> None:
+        """A target adapts ``preference.beta``, not ``coef`` (which stays 0)."""
 
 
 class OnlineDPOModule(OnlineRLModule):
@@ -135,15 +147,16 @@ class OnlineDPOModule(OnlineRLModule):
             the responses ranked per prompt (best vs worst); ``scoring.forward_batch_size`` must be a multiple
             of K (a prompt's pair is scored in one micro-batch).
         update: the update phase (``OnlineDPOUpdate``: epochs, minibatches of whole prompts, gradient clip).
-        kl: ``OnlineDPOKL``: only ``estimator`` (of the logged ``rollout/kl_ref``) applies; the KL to the
-            reference is DPO's ``preference.beta``, so ``coef`` and ``loss_coef`` are 0.
+        kl: ``OnlineDPOKL``: the KL to the reference is DPO's ``preference.beta``, so ``coef`` and
+            ``loss_coef`` are 0; ``estimator`` is that of the logged ``rollout/kl_ref``; ``target`` and
+            ``horizon`` adapt beta to hold that KL near ``target`` nats per response (None: a fixed beta).
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
 
     metric_prefix = "dpo"
     loss_stats = ONLINE_DPO_LOSS_STATS
-    extra_metrics = ("pairs", "ties")
+    extra_metrics = ("pairs", "ties", "beta")
     settings_groups: ClassVar[dict] = {
         **OnlineRLModule.settings_groups, "update": OnlineDPOUpdate, "kl": OnlineDPOKL,
         "preference": PreferenceSettings,
@@ -167,6 +180,11 @@ class OnlineDPOModule(OnlineRLModule):
         self.factories = ((actor_optimizer, actor_scheduler),)
         # (B,) +1 chosen, -1 rejected, 0 in no pair: each row's role while the update runs
         self.pair_roles: torch.Tensor | None = None
+
+    @override
+    def build_kl_controller(self, coef: float) -> F.KLController:
+        """Beta is online DPO's KL coefficient: fixed, or steered to ``kl.target`` from ``preference.beta``."""
+        return super().build_kl_controller(self.preference.beta)
 
     @override
     def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
@@ -206,11 +224,14 @@ class OnlineDPOModule(OnlineRLModule):
         self.run_update_epochs(self.preference_loss, [(self.optimizers(), self.actor)])
         self.buffer.clear()
         self.pair_roles = None
-        # 5. Rollout statistics (rollout/reward = score - beta * KL, TRL's objective/rlhf_reward), schedules,
-        #    metrics and samples.
+        # 5. Rollout statistics (rollout/reward = score - beta * KL, TRL's objective/rlhf_reward), beta's
+        #    controller (with kl.target), schedules, metrics and samples.
         kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
-        self.log_rollout_stats(sample, scores, scores - self.preference.beta * sequence_kl, kl, entropy, old_logprobs)
+        beta = self.kl_ctl.value  # the beta of this rollout's update
+        self.log_rollout_stats(sample, scores, scores - beta * sequence_kl, kl, entropy, old_logprobs)
+        self.update_metrics.update({"beta": torch.tensor(beta, dtype=torch.float32)})
+        self.update_kl_controller(kl, mask)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
         self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
@@ -228,6 +249,7 @@ class OnlineDPOModule(OnlineRLModule):
     def preference_loss(self, part: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The DPO / IPO loss of one micro-batch's pairs (whole prompts), 0 with no gradient without any."""
         mask, T, K, pref = part.loss_mask, part.response_mask.shape[1], self.num_samples, self.preference
+        beta = self.kl_ctl.value
         layout = self.shared_prefix_layout(part.input_ids, part.attention_mask, T)
         logprobs, _ = self.actor_forward(
             self.actor, part.input_ids, part.attention_mask, T, self.generation.temperature, layout, entropy=False
@@ -243,7 +265,7 @@ class OnlineDPOModule(OnlineRLModule):
         policy, sums, tokens = sequence_logps(logprobs, mask, pref.loss_type)  # (b,), (b,), (b,)
         reference, _, _ = sequence_logps(part.ref_logprobs, mask, pref.loss_type)  # (b,)
         loss, stats = F.dpo_loss(
-            policy[chosen], policy[rejected], reference[chosen], reference[rejected], pref.beta, pref.loss_type,
+            policy[chosen], policy[rejected], reference[chosen], reference[rejected], beta, pref.loss_type,
             pref.label_smoothing,
         )  # fmt: skip
         nll = F.chosen_nll(sums[chosen], tokens[chosen])  # ()
@@ -264,10 +286,8 @@ class OnlineDPOModule(OnlineRLModule):
 
     @override
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
-        metrics = super().schedule_metrics()
-        metrics["lr_actor"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
-        metrics["beta"] = torch.tensor(self.preference.beta)
-        return metrics
+        """The actor's learning rate (no ``kl_coef``: beta, logged with the update's metrics, is that coefficient)."""
+        return {"lr_actor": torch.tensor(self.optimizers().param_groups[0]["lr"])}
 
     @override
     def configure_optimizers(self):

@@ -189,10 +189,14 @@ class KLSettings(Settings):
         self.require("loss_coef", self.loss_coef >= 0, ">= 0")
         self.require("target", _positive_or_none(self.target), "> 0 or None")
         self.require("horizon", self.horizon >= 1, ">= 1")
-        if self.target is not None:
-            self.require("coef", self.coef > 0, "> 0 with an adaptive target (it scales a zero coefficient)")
+        self.check_adaptive_target()
         self.require_choice("estimator", KL_ESTIMATORS)
         self.require_choice("loss_estimator", KL_ESTIMATORS)
+
+    def check_adaptive_target(self) -> None:
+        """The adaptive controller scales the coefficient it steers: ``coef`` must be > 0 with a ``target``."""
+        if self.target is not None:
+            self.require("coef", self.coef > 0, "> 0 with an adaptive target (it scales a zero coefficient)")
 
 
 @dataclass
