@@ -1,6 +1,7 @@
 """Building, loading, exporting and scoring Hugging Face models."""
 
 from lit_rlhf.models.forwards import chunked, critic_values, policy_forward, reward_model_scores
+from lit_rlhf.models.last_layer import scored_last_layer, set_scored_last_layer
 from lit_rlhf.models.lm_head import (
     LOGITS_CHUNKING_THRESHOLD,
     NO_GRAD_CHUNKING_VOCAB,
@@ -90,6 +91,8 @@ __all__ = [
     "response_logprobs",
     "sequence_scores",
     "set_logits_chunking",
+    "scored_last_layer",
+    "set_scored_last_layer",
     "shared_prefix_layout",
     "token_values",
     "train_bpe_tokenizer",

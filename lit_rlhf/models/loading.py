@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from lit_rlhf.guards import check_finite_weights
+from lit_rlhf.models.last_layer import set_scored_last_layer
 from lit_rlhf.models.lm_head import set_logits_chunking
 from lit_rlhf.models.spec import ModelSpec
 
@@ -145,7 +146,9 @@ def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn
                 dtype=spec.torch_dtype,
                 trust_remote_code=spec.trust_remote_code,
             )
-        return _prepare(model, spec, tokenizer, "SEQ_CLS")
+        model = _prepare(model, spec, tokenizer, "SEQ_CLS")
+    set_scored_last_layer(model, spec.scored_last_layer)
+    return model
 
 
 def export_pretrained(model: nn.Module, tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Path:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lit_rlhf.functional import logprobs_from_logits, masked_sum
+from lit_rlhf.models.last_layer import scored_last_layer
 from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_settings, head_token_scores
 
 
@@ -173,6 +174,7 @@ def token_values(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    scored: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The scalar head of a ``*ForSequenceClassification`` model at every position.
 
@@ -187,6 +189,9 @@ def token_values(
         input_ids: (B, L).
         attention_mask: (B, L), 1 for real tokens; or a prepared 4D mask (the shared-prompt layout of
             ``models.shared_prefix``) with its ``position_ids`` (B, L).
+        scored: None, or the (B, n) positions that will be read (and a (B, n) bool of the valid ones, or
+            None): the last decoder layer then runs at those only where it can (``models.last_layer``), and
+            the values elsewhere are meaningless.
 
     Returns:
         (B, L) float32 values; entries at padding positions are finite but meaningless (mask them).
@@ -195,7 +200,11 @@ def token_values(
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     try:
-        out = model(**_forward_kwargs(input_ids, attention_mask, position_ids))
+        if scored is None:
+            out = model(**_forward_kwargs(input_ids, attention_mask, position_ids))
+        else:
+            with scored_last_layer(model, *scored):
+                out = model(**_forward_kwargs(input_ids, attention_mask, position_ids))
     finally:
         handle.remove()
     values = captured[-1]
@@ -223,8 +232,9 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     Returns:
         (B,) float32 scores.
     """
-    values = token_values(model, input_ids, attention_mask)
-    return values.gather(-1, last_token_index(attention_mask).unsqueeze(-1)).squeeze(-1)
+    last = last_token_index(attention_mask).unsqueeze(-1)  # (B, 1)
+    values = token_values(model, input_ids, attention_mask, scored=(last, None))  # (B, L)
+    return values.gather(-1, last).squeeze(-1)
 
 
 class ValueHead(nn.Module):

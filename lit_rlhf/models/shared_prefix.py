@@ -435,5 +435,19 @@ def packed_response_logprobs(model: nn.Module, layout: SharedPrefixLayout) -> tu
 
 def packed_sequence_scores(model: nn.Module, layout: SharedPrefixLayout) -> torch.Tensor:
     """``sequence_scores`` of the packed rows: (N,) float32 head values at each row's last real token."""
-    values = token_values(model, layout.input_ids, layout.attention_mask, position_ids=layout.position_ids)
+    scored = positions_by_row(layout.last_index, *layout.input_ids.shape)  # (G, n), (G, n)
+    values = token_values(model, layout.input_ids, layout.attention_mask, layout.position_ids, scored)  # (G, L')
     return layout.gather(values, layout.last_index)  # (N,)
+
+
+def positions_by_row(index: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) flat indices into (rows * width) -> each row's distinct positions among them, (rows, n) long,
+    and which are real, (rows, n) bool (a row with fewer than n repeats position 0 as not real)."""
+    flat = torch.unique(index)  # (M,) sorted, so by row
+    row, col = flat // width, flat % width  # (M,)
+    counts = torch.bincount(row, minlength=rows)  # (rows,)
+    slot = torch.arange(flat.numel(), device=index.device) - (counts.cumsum(0) - counts)[row]  # (M,)
+    positions = torch.zeros(rows, max(int(counts.max()), 1), dtype=torch.long, device=index.device)
+    valid = torch.zeros_like(positions, dtype=torch.bool)
+    positions[row, slot], valid[row, slot] = col, True
+    return positions, valid

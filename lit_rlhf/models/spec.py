@@ -49,6 +49,11 @@ class ModelSpec:
             into one buffer (``lit_rlhf.models.fused_head``); ``False`` leaves it to autograd's graph of
             the same operations, which holds several (tokens x vocabulary) tensors in the backward.
             Equal values; peft-wrapped or quantised heads and autocast always take autograd's graph.
+        scored_last_layer: a reward model (``*ForSequenceClassification``) scoring sequences runs its last
+            decoder layer at the scored positions only (each sequence's last real token; the layer's keys
+            and values still at every position): the same results to float rounding, about 80% of that
+            layer's work saved (``lit_rlhf.models.last_layer``; Llama, Mistral, Qwen2/3 layers under sdpa or
+            eager attention, unsharded). Per-token values (a critic) always run the whole layer.
     """
 
     name_or_path: str | None = None
@@ -61,6 +66,7 @@ class ModelSpec:
     seed: int | None = None
     logits_chunking: LogitsChunking = "auto"
     fused_lm_head: bool = True
+    scored_last_layer: bool = True
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -87,6 +93,10 @@ class ModelSpec:
             )
         if not isinstance(self.fused_lm_head, bool):
             raise ValueError(f"ModelSpec.fused_lm_head: expected true or false, got {self.fused_lm_head!r}")
+        if not isinstance(self.scored_last_layer, bool):
+            raise ValueError(
+                f"ModelSpec.scored_last_layer: expected true or false, got {self.scored_last_layer!r}"
+            )
         if self.lora is not None:
             self._check_lora()
 
