@@ -82,10 +82,10 @@ def scored_last_layer(model: nn.Module, positions: torch.Tensor, valid: torch.Te
     valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or (layer.training and layer.self_attn.attention_dropout > 0):
-            return type(layer).forward(layer, hidden_states, *args, **kwargs)
-        mask, embeddings = kwargs.get("attention_mask"), kwargs["position_embeddings"]
-        return scored_layer_forward(layer, hidden_states, positions, valid, mask, embeddings)
+        embeddings = kwargs.get("position_embeddings")
+        if args or embeddings is None or (layer.training and layer.self_attn.attention_dropout > 0):
+            return type(layer).forward(layer, hidden_states, *args, **kwargs)  # a calling form not known here
+        return scored_layer_forward(layer, hidden_states, positions, valid, kwargs.get("attention_mask"), embeddings)
 
     layer.forward = forward
     try:
