@@ -30,6 +30,20 @@ def test_adaptive_hand_computed():
     assert ctl.value == pytest.approx(before)
 
 
+def test_adaptive_floor_makes_it_one_sided():
+    ctl = AdaptiveKLController(init_kl_coef=0.5, target=3.0, horizon=100, floor=0.5)
+    ctl.update(0.0, 50)  # below target: 0.5 * (1 - 0.2 * 0.5) = 0.45, held at the floor
+    assert ctl.value == 0.5
+    ctl.update(6.0, 50)  # above: 0.5 * 1.1
+    assert ctl.value == pytest.approx(0.55)
+    ctl.update(0.0, 50)  # down again, to 0.55 * 0.9 = 0.495, held at 0.5
+    assert ctl.value == 0.5
+    lower = AdaptiveKLController(init_kl_coef=0.5, target=3.0, horizon=100, floor=0.46)
+    lower.update(0.0, 50)
+    lower.update(0.0, 50)  # 0.45, then 0.405: held at 0.46
+    assert lower.value == pytest.approx(0.46)
+
+
 def test_ppo_penalty_hand_computed():
     ctl = PPOPenaltyKLController(init_beta=1.0, target=0.015)
     ctl.update(0.005, 1)  # 0.005 < 0.015 / 1.5 = 0.01: halve
@@ -81,6 +95,8 @@ def test_adaptive_moves_towards_target_over_many_updates():
         (lambda: AdaptiveKLController(0.0, 6.0, 10000), "init_kl_coef"),
         (lambda: AdaptiveKLController(0.1, -1.0, 10000), "target"),
         (lambda: AdaptiveKLController(0.1, 6.0, 0), "horizon"),
+        (lambda: AdaptiveKLController(0.1, 6.0, 10, floor=0.2), "floor"),
+        (lambda: AdaptiveKLController(0.1, 6.0, 10, floor=-0.1), "floor"),
         (lambda: PPOPenaltyKLController(0.0, 0.01), "init_beta"),
         (lambda: PPOPenaltyKLController(1.0, 0.0), "target"),
         (lambda: AdaptiveKLController(0.1, 6.0, 10).update(float("nan"), 1), "current_kl"),

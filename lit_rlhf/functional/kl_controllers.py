@@ -69,22 +69,26 @@ class AdaptiveKLController(KLController):
 
     "Fine-Tuning Language Models from Human Preferences", arXiv 1909.08593, sec. 2.2:
 
-    error = clip(KL / target - 1, -0.2, 0.2);   value <- value * (1 + error * n_steps / horizon).
+    error = clip(KL / target - 1, -0.2, 0.2);   value <- max(value * (1 + error * n_steps / horizon), floor).
 
     Args:
         init_kl_coef: > 0 starting coefficient.
         target: > 0 KL (nats per sequence, as measured by the caller) to steer towards.
         horizon: > 0 number of samples over which an error is corrected (Ziegler et al. use 10000).
+        floor: in [0, init_kl_coef], the least value (0: none, as in the paper). A floor at the start makes the
+            controller one-sided: it only ever raises the coefficient above where it began.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+    def __init__(self, init_kl_coef: float, target: float, horizon: float, floor: float = 0.0) -> None:
         name = "AdaptiveKLController"
         check_number(name, "init_kl_coef", init_kl_coef, low=0.0, low_inclusive=False)
         check_number(name, "target", target, low=0.0, low_inclusive=False)
         check_number(name, "horizon", horizon, low=0.0, low_inclusive=False)
+        check_number(name, "floor", floor, low=0.0, low_inclusive=True, high=init_kl_coef)
         super().__init__(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
+        self.floor = float(floor)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         current_kl = self._check_update(current_kl, n_steps)
@@ -96,7 +100,7 @@ class AdaptiveKLController(KLController):
                 f"AdaptiveKLController.update: n_steps={n_steps} is too large for horizon={self.horizon} "
                 f"(factor {factor} <= 0); use n_steps <= 5 * horizon"
             )
-        self.value *= factor
+        self.value = max(self.value * factor, self.floor)
 
 
 class PPOPenaltyKLController(KLController):

@@ -113,9 +113,12 @@ class OnlineDPOKL(KLSettings):
     ``estimator`` is that of the logged ``rollout/kl_ref``. ``target`` (None = a fixed beta) and ``horizon``
     adapt beta itself: DPO's beta is the coefficient of the KL-regularised reward objective whose optimum its
     loss fits (Rafailov et al. 2023, arXiv 2305.18290 eq. 3-4), so Ziegler et al.'s proportional controller
-    (arXiv 1909.08593 sec. 2.2), which steers PPO's KL coefficient, steers it the same way: starting from
-    ``preference.beta``, beta grows while the rollout's mean sequence KL to the reference is above
-    ``target`` nats and shrinks while it is below, each rollout by at most 20% x rows / ``horizon``.
+    (arXiv 1909.08593 sec. 2.2), which steers PPO's KL coefficient, steers it here too, one-sided: beta
+    grows while the rollout's mean sequence KL to the reference is above ``target`` nats and shrinks while it
+    is below, each rollout by at most 20% x rows / ``horizon``, but never below ``preference.beta``. Unlike
+    PPO's KL penalty, DPO's loss has no pull back towards the reference, so a KL past its target does not come
+    back down: a two-sided controller lowered beta while the KL was still rising towards the target, and the
+    KL then overshot for good (the demo's measurement, ``configs/demo/online_dpo.yaml``).
     """
 
     coef: float = 0.0
@@ -183,8 +186,12 @@ class OnlineDPOModule(OnlineRLModule):
 
     @override
     def build_kl_controller(self, coef: float) -> F.KLController:
-        """Beta is online DPO's KL coefficient: fixed, or steered to ``kl.target`` from ``preference.beta``."""
-        return super().build_kl_controller(self.preference.beta)
+        """Beta is online DPO's KL coefficient: fixed, or raised towards ``kl.target`` from ``preference.beta``
+        (its floor)."""
+        beta = self.preference.beta
+        if self.kl.target is None:
+            return F.FixedKLController(beta)
+        return F.AdaptiveKLController(beta, self.kl.target, self.kl.horizon, floor=beta)
 
     @override
     def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
