@@ -323,11 +323,12 @@ class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutSc
         moments = self.trainer.strategy.reduce(F.masked_moments(x, mask), reduce_op="sum")
         return F.whiten_from_moments(x, mask, moments, shift_mean)
 
-    def build_kl_controller(self, coef: float) -> F.KLController:
-        """The controller of the KL coefficient starting at ``coef``: fixed, or adaptive towards ``kl.target``."""
+    def build_kl_controller(self, coef: float, floor: float = 0.0) -> F.KLController:
+        """The controller of the KL coefficient starting at ``coef``: fixed, or adaptive towards ``kl.target``
+        (never below ``floor``)."""
         if self.kl.target is None:
             return F.FixedKLController(coef)
-        return F.AdaptiveKLController(coef, self.kl.target, self.kl.horizon)
+        return F.AdaptiveKLController(coef, self.kl.target, self.kl.horizon, floor=floor)
 
     def update_kl_controller(self, kl: torch.Tensor, loss_mask: torch.Tensor) -> None:
         """Advance the KL controller with the mean sequence KL of every rank's rows."""

@@ -185,13 +185,11 @@ class OnlineDPOModule(OnlineRLModule):
         self.pair_roles: torch.Tensor | None = None
 
     @override
-    def build_kl_controller(self, coef: float) -> F.KLController:
+    def build_kl_controller(self, coef: float, floor: float = 0.0) -> F.KLController:
         """Beta is online DPO's KL coefficient: fixed, or raised towards ``kl.target`` from ``preference.beta``
         (its floor)."""
         beta = self.preference.beta
-        if self.kl.target is None:
-            return F.FixedKLController(beta)
-        return F.AdaptiveKLController(beta, self.kl.target, self.kl.horizon, floor=beta)
+        return super().build_kl_controller(beta, floor=beta)
 
     @override
     def configure_settings(self, groups: dict, engine: Any, reward_model, reward_fn, max_rollouts) -> Any:
