@@ -27,7 +27,6 @@ Prints medians and min-max over the pairs of the per-step decoding milliseconds,
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import cpu_model  # noqa: E402
 from matmul_peak import best_rate  # noqa: E402
-from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor, w1_generation_args  # noqa: E402
 
 from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
 
@@ -90,16 +89,7 @@ def spread(values: list[float], fmt: str = ".3g") -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--assets", default="/work/bench_assets")
-    parser.add_argument("--size", default="full")
-    parser.add_argument("--repeats", type=int, default=6, help="timed pairs after one warm-up pair")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = w1_generation_args(__doc__, repeats=6)
     tokenizer, actor, prompts = load_w1_actor(args.assets, args.size)
     K = GRPO["num_generations"]
     base = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=GRPO["temperature"], num_samples=K)

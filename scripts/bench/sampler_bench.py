@@ -13,7 +13,6 @@ time per rollout, the per-pair speed-up, the mean response length and decoding s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor  # noqa: E402
+from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor, w1_generation_args  # noqa: E402
 
 from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
 
@@ -31,14 +30,7 @@ SAMPLERS = ("inverse_cdf", "multinomial")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--assets", default="/work/bench_assets")
-    parser.add_argument("--size", default="full")
-    parser.add_argument("--repeats", type=int, default=10, help="timed pairs after one warm-up pair")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = w1_generation_args(__doc__, repeats=10)
     tokenizer, actor, prompts = load_w1_actor(args.assets, args.size)
     K = GRPO["num_generations"]
     settings = {

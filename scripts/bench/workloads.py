@@ -215,6 +215,24 @@ def load_rows(folder: Path, size: str) -> dict:
     return json.loads((assets_dir(folder, size) / "data.json").read_text())
 
 
+def w1_generation_args(doc: str, repeats: int):
+    """The command line of the W1 generation benchmarks (``--assets``, ``--size``, ``--repeats``, ``--threads``,
+    ``--json``), parsed, with torch set to ``--threads``."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--assets", default="/work/bench_assets")
+    parser.add_argument("--size", default="full")
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed pairs after one warm-up pair")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def load_w1_actor(folder: Path, size: str):
     """W1's prebuilt actor in eval mode, its tokenizer and the GRPO prompts (the lit_rlhf side of the
     generation benchmarks: ``decode_bench.py``, ``sampler_bench.py``)."""
