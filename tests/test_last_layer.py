@@ -1,5 +1,5 @@
-"""The last decoder layer at the scored positions only (models/last_layer.py): reward-model scores and every
-parameter's gradient equal to the whole layer's (float32, Llama / Mistral / Qwen2 / Qwen3 with grouped-query
+"""The last decoder layer at the scored positions only (models/last_layer.py): reward-model scores, policy
+log-probs and entropy on the LM head route, and every parameter's gradient equal to the whole layer's (float32, Llama / Mistral / Qwen2 / Qwen3 with grouped-query
 attention, left and right padding, the shared-prompt layout, LoRA, eager attention), the layer really
 replaced, the fallbacks, and the helpers by hand."""
 
@@ -12,14 +12,18 @@ from conftest import gpt2_config, llama_config
 from lit_rlhf.data.collators import PreferenceCollator
 from lit_rlhf.models import (
     ModelSpec,
+    build_causal_lm,
     build_score_model,
     disable_dropout,
     load_tokenizer,
+    packed_policy_forward,
     packed_sequence_scores,
     pair_layout,
+    policy_forward,
     scored_last_layer,
     sequence_scores,
     set_scored_last_layer,
+    shared_prefix_layout,
 )
 from lit_rlhf.models.last_layer import last_decoder_layer, scored_rows_mask
 from lit_rlhf.models.shared_prefix import positions_by_row
@@ -65,7 +69,7 @@ def padded_rows(vocab: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def scores_and_grads(model: torch.nn.Module, score) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad()
     out = score()
-    (out * torch.arange(1.0, out.numel() + 1)).sum().backward()
+    (out.flatten() * torch.arange(1.0, out.numel() + 1)).sum().backward()
     return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
@@ -73,7 +77,7 @@ def assert_same(a: tuple, b: tuple) -> None:
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
     assert len(a[1]) == len(b[1])
     for x, y in zip(a[1], b[1]):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)  # float32 sums in other orders
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -187,3 +191,51 @@ def test_scored_rows_mask_by_hand():
     assert taken[1, 0].tolist() == [full[1, 0, 1].tolist(), full[1, 0, 3].tolist()]
     broadcast = scored_rows_mask(full[:1], positions, 4)  # a (1, 1, L, L) mask serves every row
     assert broadcast[1, 0].tolist() == [full[0, 0, 1].tolist(), full[0, 0, 3].tolist()]
+
+
+def rollout_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """3 prompts (lengths 9, 4, 6; left-padded to 9) x K = 3 responses of 1-6 tokens (right-padded to 6)."""
+    g = torch.Generator().manual_seed(0)
+    p_len, r_len, P, T = [9, 4, 6], [6, 2, 4, 1, 5, 3, 6, 6, 2], 9, 6
+    ids, mask = torch.full((9, P + T), PAD), torch.zeros(9, P + T, dtype=torch.long)
+    for group, p in enumerate(p_len):
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        for k in range(3):
+            b = 3 * group + k
+            ids[b, P - p : P], mask[b, P - p : P] = prompt, 1
+            ids[b, P : P + r_len[b]] = torch.randint(3, vocab, (r_len[b],), generator=g)
+            mask[b, P : P + r_len[b]] = 1
+    return ids, mask, P, T
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_policy_log_probs_and_gradients_equal_the_whole_layer(tokenizer_dir, family, packed):
+    # the LM head route keeps the last positions only (logits_to_keep): the last layer runs there only
+    spec = ModelSpec(config=FAMILIES[family], tokenizer=tokenizer_dir, seed=0, logits_chunking="on")
+    model = build_causal_lm(spec, load_tokenizer(tokenizer_dir))
+    disable_dropout(model)
+    ids, mask, P, T = rollout_rows(model.config.vocab_size)
+    prompt_mask, response_mask = mask.clone(), mask.clone()
+    prompt_mask[:, P:], response_mask[:, :P] = 0, 0
+    layout = shared_prefix_layout(model, "on", ids, prompt_mask, response_mask, PAD, ids.numel())
+
+    def forward():
+        if packed:
+            logprobs, entropy = packed_policy_forward(model, layout, 0.8)
+        else:
+            logprobs, entropy, _ = policy_forward(model, ids, mask, T, 0.8)
+        return torch.cat([logprobs, entropy])
+
+    set_scored_last_layer(model, False)
+    whole = scores_and_grads(model, forward)
+    set_scored_last_layer(model, True)
+    layer, calls = last_decoder_layer(model), []
+    original = type(layer).forward
+    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    try:
+        scored = scores_and_grads(model, forward)
+    finally:
+        type(layer).forward = original
+    assert True not in calls  # the last layer ran at the kept positions only
+    assert_same(scored, whole)

@@ -25,6 +25,7 @@ Shapes: B rows, L sequence length, H hidden size, V vocabulary, N scored tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_rlhf.functional import label_logprobs_and_entropy
 from lit_rlhf.models.fused_head import fusable_head, fused_head_token_scores
+from lit_rlhf.models.last_layer import scored_last_layer
 from lit_rlhf.models.spec import LogitsChunking
 
 __all__ = [
@@ -183,7 +185,8 @@ def final_hidden_states(
 
     Going through the model's forward keeps peft, activation-checkpointing and other hooks of the
     top-level module in the path; a pre-hook on the head captures its input and gives it zero
-    positions instead, so the (B, L, V) logits are never computed.
+    positions instead, so the (B, L, V) logits are never computed. With ``logits_to_keep`` the last
+    decoder layer runs at those last positions only where it can (``models.last_layer``).
 
     Args:
         model: the causal LM. head: its ``get_output_embeddings()``.
@@ -200,8 +203,11 @@ def final_hidden_states(
         return (args[0][..., :0, :], *args[1:])
 
     handle = head.register_forward_pre_hook(capture)
+    B, L = forward_kwargs["input_ids"].shape
+    kept = torch.arange(L - logits_to_keep, L, device=forward_kwargs["input_ids"].device).expand(B, -1)  # (B, k)
     try:
-        model(**forward_kwargs, logits_to_keep=logits_to_keep)
+        with scored_last_layer(model, kept) if 0 < logits_to_keep < L else nullcontext():
+            model(**forward_kwargs, logits_to_keep=logits_to_keep)
     finally:
         handle.remove()
     return captured[-1]

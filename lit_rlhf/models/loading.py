@@ -122,6 +122,7 @@ def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.M
             )
         model = _prepare(model, spec, tokenizer, "CAUSAL_LM")
     set_logits_chunking(model, spec.logits_chunking, spec.fused_lm_head)
+    set_scored_last_layer(model, spec.scored_last_layer)
     return model
 
 
