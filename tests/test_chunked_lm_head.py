@@ -27,6 +27,7 @@ from lit_rlhf.models import (
     reference_logits_context,
     response_logprobs,
     set_logits_chunking,
+    set_scored_last_layer,
     shared_prefix_layout,
 )
 from lit_rlhf.models import lm_head as lm_head_module
@@ -49,6 +50,9 @@ def _model(kind: str, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) ->
     fields = gpt2_config(vocab) if kind == "gpt2" else llama_config(vocab)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    # the head route against the full logits bit for bit: the whole last layer on both sides (the last layer
+    # at the kept positions only, a float-rounding change, is tested in test_last_layer.py)
+    set_scored_last_layer(model, False)
     return model.to(dtype).eval()
 
 

@@ -49,11 +49,12 @@ class ModelSpec:
             into one buffer (``lit_rlhf.models.fused_head``); ``False`` leaves it to autograd's graph of
             the same operations, which holds several (tokens x vocabulary) tensors in the backward.
             Equal values; peft-wrapped or quantised heads and autocast always take autograd's graph.
-        scored_last_layer: a reward model (``*ForSequenceClassification``) scoring sequences runs its last
-            decoder layer at the scored positions only (each sequence's last real token; the layer's keys
-            and values still at every position): the same results to float rounding, about 80% of that
-            layer's work saved (``lit_rlhf.models.last_layer``; Llama, Mistral, Qwen2/3 layers under sdpa or
-            eager attention, unsharded). Per-token values (a critic) always run the whole layer.
+        scored_last_layer: run the last decoder layer at the positions whose output is read only (the
+            layer's keys and values still at every position): a reward model's scored tokens (each
+            sequence's last real token), and on the LM head route a causal LM's last ``logits_to_keep``
+            positions (those that predict the response tokens). The same results to float rounding, most of
+            that layer's work saved (``lit_rlhf.models.last_layer``; Llama, Mistral, Qwen2/3 layers under sdpa
+            or eager attention, unsharded). Per-token values (a critic) always run the whole layer.
     """
 
     name_or_path: str | None = None
