@@ -2,9 +2,11 @@
 #   make demo   - the main job: the offline SFT -> RM -> PPO, GRPO, DPO demo pipeline (report in runs/demo/),
 #                 then the tool world: SFT -> GRPO with and without a calculator (report in runs/demo/tool/;
 #                 TOOL_SEEDS=3 runs the 3-seed comparison of the README)
-#   make test   - ruff + the default test suite with the multi-process tests (not the slow end-to-end fits),
+#   make test   - ruff + the default test suite (not the slow end-to-end fits, not the multi-process tests),
 #                 then the vLLM engine's tests against the real vLLM in .venv-vllm (built beside the main
 #                 suite, in the background: vLLM pins an older transformers than the main environment's)
+# CI (.ci/run) runs make test, then make test-distributed: the multi-process tests (marker `distributed`:
+# 2 ranks over gloo, simulated nodes, SIGTERM across ranks, a vLLM engine per rank), about 7 more minutes.
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
 # the default is the CPU wheel this project's machines carry; a GPU user sets e.g.
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
@@ -13,7 +15,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-TEST_MARKERS ?= not slow and not vllm
+TEST_MARKERS ?= not slow and not vllm and not distributed
+VLLM_MARKERS ?= vllm and not distributed
 TOOL_SEEDS ?= 1
 # make test runs the main suite's test files in PYTEST_WORKERS processes (pytest-xdist; a file's tests stay
 # in one process, so its module fixtures run once): the suite is mostly one-core subprocess start-ups.
@@ -22,7 +25,7 @@ PYTEST_WORKERS ?= 2
 VLLM_VENV ?= .venv-vllm
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_fits.py
 
-.PHONY: venv test test-all test-vllm lint demo clean
+.PHONY: venv test test-distributed test-all test-vllm lint demo clean suite vllm-tests
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,8 +43,16 @@ lint: venv
 # The vLLM environment builds while the main suite runs; scripts/vllm_env.sh exits 3 where vLLM cannot
 # run (the one line printed then says why, and the rest of the run decides the result).
 test: venv lint
+	@$(MAKE) --no-print-directory suite MARKERS="$(TEST_MARKERS)" VLLM_MARKERS="$(VLLM_MARKERS)"
+
+# The multi-process tests, in both environments (CI runs them after make test).
+test-distributed: venv
+	@$(MAKE) --no-print-directory suite MARKERS="distributed and not slow and not vllm" \
+	  VLLM_MARKERS="vllm and distributed"
+
+suite:
 	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & env_pid=$$!; \
-	$(PY) -m pytest -m "$(TEST_MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "$(MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; fi; \
 	wait $$env_pid; env_rc=$$?; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
@@ -49,12 +60,12 @@ test: venv lint
 
 test-vllm: venv
 	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1; \
-	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$?
+	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$? VLLM_MARKERS=vllm
 
 vllm-tests:
 	@if [ "$(ENV_RC)" = 0 ]; then \
 	  echo "vLLM engine tests ($$(tail -n 1 $(VLLM_VENV).log)):"; \
-	  $(VLLM_VENV)/bin/python -m pytest -m vllm -q -p no:cacheprovider $(VLLM_TESTS); \
+	  $(VLLM_VENV)/bin/python -m pytest -m "$(VLLM_MARKERS)" -q -p no:cacheprovider $(VLLM_TESTS); \
 	elif [ "$(ENV_RC)" = 3 ]; then \
 	  echo "make test: the vLLM engine's tests did not run: $$(tail -n 1 $(VLLM_VENV).log)"; \
 	else \

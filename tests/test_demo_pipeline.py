@@ -1,4 +1,5 @@
-"""The demo pipeline: a miniature end-to-end run (--small) with four algorithms (PPO, a copy of it, GRPO, DPO) and two seeds, and its helpers."""
+"""The demo pipeline: a miniature end-to-end run (--small) with four algorithms (PPO, GRPO, DPO, online DPO) and two
+seeds, and its helpers."""
 
 from __future__ import annotations
 
@@ -21,20 +22,15 @@ REQUIRED_KEYS = (
 )  # fmt: skip
 ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_meeting_target",
                   "seeds_reaching_target_in_curve"}  # fmt: skip
-# A second algorithm for the side-by-side: PPO's own config under another name (same settings and seeds,
-# so its figures must equal PPO's: the stages are deterministic in their own processes).
-PPO_COPY = pipeline.Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), config="ppo")
-ARGS = ["--small", "--algorithms", "ppo,ppo_copy,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble"]
+ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble"]
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> tuple[Path, dict, dict]:
     """The miniature run, then the same command again with --reuse: (out, first summary, second summary)."""
     out = tmp_path_factory.mktemp("demo")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(pipeline.ALGORITHMS, "ppo_copy", PPO_COPY)
-        first = pipeline.main(["--out", str(out), *ARGS])  # the over-optimisation run is on by default
-        again = pipeline.main(["--out", str(out), *ARGS, "--reuse"])
+    first = pipeline.main(["--out", str(out), *ARGS])  # the over-optimisation run is on by default
+    again = pipeline.main(["--out", str(out), *ARGS, "--reuse"])
     return out, first, again
 
 
@@ -47,8 +43,7 @@ def test_small_pipeline_writes_the_report(small_run):
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
-    runs = {"ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo",
-            "online_dpo_seed1"}  # fmt: skip
+    runs = {"ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo", "online_dpo_seed1"}
     stages_run = summary["wall_s_per_stage"]
     over = {"rm_weak", "ppo_overoptimize", "rm_weak_ensemble", "ppo_overoptimize_ensemble"}
     assert set(stages_run) == {"assets", "sft", "rm", "evaluate", "report"} | over | runs
@@ -63,7 +58,7 @@ def test_small_pipeline_writes_the_report(small_run):
     assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
     assert summary["machine"]["threads"] == 1 and summary["machine"]["cpu"]  # the CPU the figures are from
     report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
-    for name in ("ppo", "ppo_copy", "grpo", "dpo", "online_dpo"):
+    for name in ("ppo", "grpo", "dpo", "online_dpo"):
         assert f"| {name} | 0,1 |" in report_md, name
     assert "2 training seeds per algorithm" in report_md
     # the best-of-n frontier of the SFT policy: n = 1, 2, 4, 8 at the analytic KL, gold never below n = 1's
@@ -79,7 +74,7 @@ def test_small_pipeline_writes_the_report(small_run):
 
 def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
     out, summary, _ = small_run
-    assert list(summary["algorithms"]) == ["ppo", "ppo_copy", "grpo", "dpo", "online_dpo"]
+    assert list(summary["algorithms"]) == ["ppo", "grpo", "dpo", "online_dpo"]
     for name, entry in summary["algorithms"].items():
         assert set(entry) == ALGORITHM_KEYS, name
         assert [s["seed"] for s in entry["seeds"]] == [0, 1]
@@ -102,19 +97,18 @@ def test_algorithms_entries_hold_per_seed_figures_and_their_spread(small_run):
         assert entry["std"]["kl_ref"] == pytest.approx(abs(kl[0] - kl[1]) / math.sqrt(2))
         assert entry["min"]["kl_ref"] == min(kl)
         assert entry["time_to_target_s"] is None and entry["n_seeds"] == 2
-    ppo, copy = summary["algorithms"]["ppo"]["seeds"], summary["algorithms"]["ppo_copy"]["seeds"]
-    assert [s["kl_ref"] for s in ppo] == [s["kl_ref"] for s in copy]  # same config and seed, same result
+    ppo = summary["algorithms"]["ppo"]["seeds"]
     assert ppo[0]["kl_ref"] != ppo[1]["kl_ref"]  # another training seed, another result
 
 
 def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     _, first, again = small_run
     assert set(again["reused_stages"]) == {
-        "sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "ppo_copy_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
+        "sft", "rm", "ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
         "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize", "rm_weak_ensemble",
         "ppo_overoptimize_ensemble",
     }  # fmt: skip
-    for name in ("ppo", "ppo_copy", "grpo", "dpo", "online_dpo"):
+    for name in ("ppo", "grpo", "dpo", "online_dpo"):
         assert again["algorithms"][name]["seeds"] == [
             {**seed, "reused": True} for seed in first["algorithms"][name]["seeds"]
         ]
@@ -131,7 +125,7 @@ def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
     for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "grpo/actor", "dpo", "rm_weak",
                    "ppo_overoptimize/actor", "rm_weak_ensemble/member_2", "ppo_overoptimize_ensemble/actor"):  # fmt: skip
         assert (out / folder / "config.json").exists(), folder
-    for stage in ("sft", "rm", "ppo", "ppo_seed1", "ppo_copy", "grpo", "dpo", "rm_weak", "ppo_overoptimize"):
+    for stage in ("sft", "rm", "ppo", "ppo_seed1", "grpo", "dpo", "rm_weak", "ppo_overoptimize"):
         assert list((out / "tb" / stage).glob("events.out.tfevents.*")), stage
     ppo = report.read_scalars(out / "tb" / "ppo")
     # one point per rollout for the curves of the report; the gold curve's points beside them

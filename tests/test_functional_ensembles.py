@@ -141,3 +141,23 @@ def test_best_worst_pairs_by_hand():
         F.best_worst_pairs(scores, 1)
     with pytest.raises(ValueError, match="cannot be split into groups"):
         F.best_worst_pairs(scores, 5)
+
+
+def test_kl_regularized_scores_by_hand_and_the_pairs_they_give():
+    # K = 2, two prompts: scores 3.0 / 2.0 at KL 4.0 / 0.5 nats, and 1.0 / 0.0 at KL 0.0 / 0.0.
+    scores, kl = torch.tensor([3.0, 2.0, 1.0, 0.0]), torch.tensor([4.0, 0.5, 0.0, 0.0])
+    # coef 0.5: 3 - 2 = 1.0 < 2 - 0.25 = 1.75: the drifted response loses its pair; prompt 1 keeps its order
+    ranked = F.kl_regularized_scores(scores, kl, 0.5)
+    torch.testing.assert_close(ranked, torch.tensor([1.0, 1.75, 1.0, 0.0]))
+    chosen, rejected, _ = F.best_worst_pairs(ranked, 2)
+    assert (chosen.tolist(), rejected.tolist()) == ([1, 2], [0, 3])
+    # coef 0.2 (3 - 0.8 = 2.2 > 2 - 0.1 = 1.9): the score still decides
+    chosen, _, _ = F.best_worst_pairs(F.kl_regularized_scores(scores, kl, 0.2), 2)
+    assert chosen.tolist() == [0, 2]
+    # coef 0 is the score itself, even where the KL is not finite; at least float32 out of bf16 in
+    torch.testing.assert_close(F.kl_regularized_scores(scores, torch.full((4,), float("inf")), 0.0), scores)
+    assert F.kl_regularized_scores(scores.bfloat16(), kl.bfloat16(), 0.5).dtype == torch.float32
+    with pytest.raises(ValueError, match="`coef` must be >= 0"):
+        F.kl_regularized_scores(scores, kl, -0.1)
+    with pytest.raises(ValueError, match="kl_regularized_scores"):
+        F.kl_regularized_scores(scores, kl[:3], 0.5)

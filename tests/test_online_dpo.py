@@ -40,11 +40,7 @@ def tiny_online_dpo(tokenizer_dir: str, **overrides) -> OnlineDPOModule:
             ValueError,
             r"scoring.forward_batch_size \(6\) must be a multiple of generation.num_samples \(4\)",
         ),
-        (
-            {"kl": {"coef": 0.05}},
-            ValueError,
-            "kl.coef must be 0: online DPO's KL to the reference is preference.beta, got 0.05",
-        ),
+        ({"kl": {"coef": -0.05}}, ValueError, "kl.coef must be >= 0"),
         ({"kl": {"loss_coef": 0.1}}, ValueError, "kl.loss_coef must be 0"),
         ({"preference": {"beta": 0.0}}, ValueError, "preference.beta must be > 0"),
         ({"preference": {"loss_type": "simpo"}}, ValueError, "preference.loss_type must be one of"),
@@ -104,6 +100,36 @@ def test_kl_target_adapts_beta_from_preference_beta(tokenizer_dir):
         0.3, 2.0, 64, 0.3
     )  # one-sided: never below preference.beta
     assert adaptive.kl.coef == 0.0  # no penalty in the reward: the target steers beta
+
+
+def test_kl_coef_ranks_the_samples_by_the_kl_regularised_score(tokenizer_dir, tmp_path, monkeypatch):
+    # a reference unlike the actor (another seed): every response has a KL from the first rollout on
+    calls = []
+    real_rank, real_pairs = F.kl_regularized_scores, F.best_worst_pairs
+
+    def rank(scores, sequence_kl, coef):
+        calls.append({"scores": scores, "kl": sequence_kl, "coef": coef})
+        return real_rank(scores, sequence_kl, coef)
+
+    def pairs(ranking, group_size, keep=None):
+        calls[-1]["ranking"] = ranking
+        return real_pairs(ranking, group_size, keep)
+
+    monkeypatch.setattr(F, "kl_regularized_scores", rank)
+    monkeypatch.setattr(F, "best_worst_pairs", pairs)
+    torch.manual_seed(0)
+    module = tiny_online_dpo(tokenizer_dir, max_rollouts=3, kl={"coef": 0.5}, reward_fn="ppo_rewards:e_rate",
+                             reference={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 1})  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=12, batch_size=4))
+    rows = read_metrics(tmp_path)
+    assert len(calls) == len(rows) == 3
+    for call, row in zip(calls, rows, strict=True):
+        assert call["coef"] == 0.5
+        torch.testing.assert_close(call["ranking"], call["scores"] - 0.5 * call["kl"])  # what was ranked
+        # the KL of the ranking is the rollout's logged KL to the reference (per response, k1)
+        assert call["kl"].mean().item() == pytest.approx(row["rollout/kl_ref"], rel=1e-4)
+        assert call["scores"].mean().item() == pytest.approx(row["rollout/score"], rel=1e-4)
+        assert (call["kl"] != 0).all() and call["kl"].abs().max() > 0.1  # the models differ: the term is not idle
 
 
 def constructed_rollout(

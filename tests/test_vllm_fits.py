@@ -133,6 +133,7 @@ def test_the_cli_runs_grpo_with_engine_vllm(tokenizer_dir, prompt_file, tmp_path
     assert (run / "export" / "actor" / "config.json").exists()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1"])
 def test_a_vllm_engine_per_rank_under_data_parallelism(tokenizer_dir, tmp_path, strategy):
     # two processes (gloo), each with its own vLLM engine generating its prompts; sharded actors are

@@ -55,7 +55,13 @@ from lit_rlhf.functional.losses import (
     ppo_policy_loss,
     reference_kl_loss,
 )
-from lit_rlhf.functional.preference import DPO_LOSS_TYPES, best_worst_pairs, chosen_nll, dpo_loss
+from lit_rlhf.functional.preference import (
+    DPO_LOSS_TYPES,
+    best_worst_pairs,
+    chosen_nll,
+    dpo_loss,
+    kl_regularized_scores,
+)
 from lit_rlhf.functional.registry import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -127,6 +133,7 @@ __all__ = [
     "group_score_stats",
     "chosen_nll",
     "dpo_loss",
+    "kl_regularized_scores",
     "entropy_from_logits",
     "explained_variance",
     "kl_penalty",

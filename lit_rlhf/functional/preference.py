@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lit_rlhf.functional._checks import as_float, check_number, check_same_shape
 from lit_rlhf.functional.stats import as_groups
 
-__all__ = ["DPO_LOSS_TYPES", "best_worst_pairs", "chosen_nll", "dpo_loss"]
+__all__ = ["DPO_LOSS_TYPES", "best_worst_pairs", "chosen_nll", "dpo_loss", "kl_regularized_scores"]
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
@@ -204,3 +204,32 @@ def best_worst_pairs(
     chosen = torch.where(paired, offsets + best, offsets)  # (G,)
     rejected = torch.where(paired, offsets + worst, offsets)  # (G,)
     return chosen, rejected, paired
+
+
+def kl_regularized_scores(scores: torch.Tensor, sequence_kl: torch.Tensor, coef: float) -> torch.Tensor:
+    """Each sampled response's score less ``coef`` times its KL to the reference: the KL-regularised reward
+    r(x, y) - c log(pi(y|x) / pi_ref(y|x)) (Ziegler et al. 2019, arXiv 1909.08593 eq. 2), by which online DPO
+    may rank its samples.
+
+    Ranked by the score alone, the DPO loss on the policy's own samples has no force back towards the
+    reference: DPO's beta only slows the drift. Ranked by the regularised reward, a response that drifted far
+    (a large log-ratio) loses to one that stayed close at a similar score, so the pairs themselves pull
+    back. Where the ranking were by Bradley-Terry preferences of this reward, DPO's fixed point
+    log pi/pi_ref = (r - c log pi/pi_ref) / beta gives log pi/pi_ref = r / (beta + c): the policy of
+    DPO with beta + c (Rafailov et al. 2023, arXiv 2305.18290 eq. 4).
+
+    Args:
+        scores: (B,) sequence scores of the reward source.
+        sequence_kl: (B,) each response's KL to the reference summed over its tokens (with the k1 estimator
+            its log-ratio log pi/pi_ref under the sampling policy).
+        coef: c >= 0; 0 returns ``scores`` itself (whatever ``sequence_kl`` holds).
+
+    Returns:
+        (B,) regularised scores, at least float32.
+    """
+    fn = "kl_regularized_scores"
+    check_same_shape(fn, scores=scores, sequence_kl=sequence_kl)
+    check_number(fn, "coef", coef, low=0.0, low_inclusive=True)
+    if coef == 0:
+        return as_float(scores)  # (B,)
+    return as_float(scores) - coef * as_float(sequence_kl)  # (B,)

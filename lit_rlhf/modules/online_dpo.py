@@ -4,7 +4,8 @@ TRL's ``OnlineDPOTrainer``).
 
 One ``training_step`` = one rollout: sample K >= 2 responses per prompt from the current policy, score them
 with the reward model, the ensemble or the reward function, take each prompt's best as chosen and its worst
-as rejected (``functional.best_worst_pairs``; a tie gives no pair and no gradient, and is counted), then run
+as rejected (``functional.best_worst_pairs``; a tie gives no pair and no gradient, and is counted; with
+``kl.coef`` > 0 ranked by the KL-regularised score, ``functional.kl_regularized_scores``), then run
 ``update.epochs`` passes of the DPO (or IPO) loss of ``functional.dpo_loss`` over minibatches of whole
 prompts. The reference is a frozen copy of the initial policy, or the actor with its LoRA adapters disabled,
 as in :class:`~lit_rlhf.modules.DPOModule`; its log-probs come from the rollout's scoring forward. Policy
@@ -12,7 +13,8 @@ and reference log-probs are taken at ``generation.temperature`` (1.0 by default)
 
 Metrics, TRL's names under ``dpo/``: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies`` (the implicit rewards beta * log pi/pi_ref), ``logps/chosen``, ``logps/rejected``,
-``scores_margin`` (TRL's ``objective/scores_margin``: the reward source's chosen - rejected), ``beta`` (the
+``scores_margin`` (TRL's ``objective/scores_margin``: the reward source's chosen - rejected, before any KL
+term of the ranking), ``beta`` (the
 rollout's, adapted when ``kl.target`` is set);
 ``pairs`` and ``ties`` (prompts with and without a pair, over all ranks); ``policy_kl`` and ``ratio_mean``
 (the update's drift from the rollout policy), ``lr_actor``. The rollout metrics are the base's:
@@ -107,10 +109,15 @@ class OnlineDPOUpdate(UpdateSettings):
 
 @dataclass
 class OnlineDPOKL(KLSettings):
-    """:class:`KLSettings` of online DPO. The KL to the reference is DPO's own (``preference.beta``), so there
-    is no penalty in the reward (``coef`` 0) and no KL loss term (``loss_coef`` 0).
+    """:class:`KLSettings` of online DPO. The KL to the reference is DPO's own (``preference.beta``); there is
+    no KL loss term (``loss_coef`` 0).
 
-    ``estimator`` is that of the logged ``rollout/kl_ref``. ``target`` (None = a fixed beta) and ``horizon``
+    ``coef`` (>= 0, default 0) ranks each prompt's samples by the KL-regularised reward, the score less
+    ``coef`` times the response's summed KL to the reference under ``estimator``
+    (``functional.kl_regularized_scores``): a response that drifted far loses its pair to one that stayed
+    close, which gives the loss the pull back towards the reference that DPO's beta alone lacks (beta only
+    slows the drift). This ranking is this project's option, not in Guo et al. 2024; 0 ranks by the score.
+    ``estimator`` is also that of the logged ``rollout/kl_ref``. ``target`` (None = a fixed beta) and ``horizon``
     adapt beta itself: DPO's beta is the coefficient of the KL-regularised reward objective whose optimum its
     loss fits (Rafailov et al. 2023, arXiv 2305.18290 eq. 3-4), so Ziegler et al.'s proportional controller
     (arXiv 1909.08593 sec. 2.2), which steers PPO's KL coefficient, steers it here too, one-sided: beta
@@ -125,10 +132,7 @@ class OnlineDPOKL(KLSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("coef", "loss_coef"):
-            self.require(
-                name, getattr(self, name) == 0, "0: online DPO's KL to the reference is preference.beta"
-            )
+        self.require("loss_coef", self.loss_coef == 0, "0: online DPO's KL to the reference is preference.beta")
 
     @override
     def check_adaptive_target(self) -> None:
@@ -150,9 +154,10 @@ class OnlineDPOModule(OnlineRLModule):
             the responses ranked per prompt (best vs worst); ``scoring.forward_batch_size`` must be a multiple
             of K (a prompt's pair is scored in one micro-batch).
         update: the update phase (``OnlineDPOUpdate``: epochs, minibatches of whole prompts, gradient clip).
-        kl: ``OnlineDPOKL``: the KL to the reference is DPO's ``preference.beta``, so ``coef`` and
-            ``loss_coef`` are 0; ``estimator`` is that of the logged ``rollout/kl_ref``; ``target`` and
-            ``horizon`` adapt beta to hold that KL near ``target`` nats per response (None: a fixed beta).
+        kl: ``OnlineDPOKL``: the KL to the reference is DPO's ``preference.beta`` (``loss_coef`` 0);
+            ``coef`` > 0 ranks the samples by score - coef x their KL to the reference (0: by score);
+            ``estimator`` is that KL's and the logged ``rollout/kl_ref``'s; ``target`` and ``horizon`` adapt
+            beta to hold that KL near ``target`` nats per response (None: a fixed beta).
         actor_optimizer: optimiser factory of the actor; default AdamW at lr 1e-6 (``PolicyAdamW``).
         actor_scheduler: LR schedule of the actor, stepped once per rollout (None = constant).
     """
@@ -220,8 +225,12 @@ class OnlineDPOModule(OnlineRLModule):
         # 2. Score without gradients: old and reference log-probs, entropy, and the sequence scores.
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
-        # 3. Rank each prompt's responses: chosen = the best kept score, rejected = the worst; a tie has no pair.
-        chosen, rejected, paired = F.best_worst_pairs(scores, self.num_samples, keep)  # (G,), (G,), (G,)
+        kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
+        sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
+        # 3. Rank each prompt's responses by score - kl.coef x KL (by score with coef 0): chosen = the best
+        #    kept, rejected = the worst; a tie has no pair.
+        ranking = F.kl_regularized_scores(scores, sequence_kl, self.kl.coef)  # (B,)
+        chosen, rejected, paired = F.best_worst_pairs(ranking, self.num_samples, keep)  # (G,), (G,), (G,)
         self.pair_roles = self.log_pairs(scores, chosen, rejected, paired)  # (B,)
         # 4. update.epochs passes of the preference loss over minibatches of whole prompts (no advantages).
         rollout = self.build_rollout(sample, old_logprobs, ref_logprobs, torch.zeros_like(old_logprobs), scores)
@@ -231,8 +240,6 @@ class OnlineDPOModule(OnlineRLModule):
         self.pair_roles = None
         # 5. Rollout statistics (rollout/reward = score - beta * KL, TRL's objective/rlhf_reward), beta's
         #    controller (with kl.target), schedules, metrics and samples.
-        kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
-        sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
         beta = self.kl_ctl.value  # the beta of this rollout's update
         self.log_rollout_stats(sample, scores, scores - beta * sequence_kl, kl, entropy, old_logprobs)
         self.update_metrics.update({"beta": torch.tensor(beta, dtype=torch.float32)})
