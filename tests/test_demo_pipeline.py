@@ -22,7 +22,9 @@ REQUIRED_KEYS = (
 )  # fmt: skip
 ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_meeting_target",
                   "seeds_reaching_target_in_curve"}  # fmt: skip
-ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble"]
+ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble",
+        "--kl-sweep", "0.1,0.01"]  # fmt: skip
+SWEEP = {"ppo_overoptimize_kl0.1", "ppo_overoptimize_kl0.01", "ppo_overoptimize_kl0.1_seed1", "ppo_overoptimize_kl0.01_seed1"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def test_small_pipeline_writes_the_report(small_run):
     out, summary, again = small_run
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
                  "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png",
-                 "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png"):  # fmt: skip
+                 "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png",
+                 "overoptimize_kl_sweep.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
@@ -46,7 +49,7 @@ def test_small_pipeline_writes_the_report(small_run):
     runs = {"ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo", "online_dpo_seed1"}
     stages_run = summary["wall_s_per_stage"]
     over = {"rm_weak", "ppo_overoptimize", "rm_weak_ensemble", "ppo_overoptimize_ensemble"}
-    assert set(stages_run) == {"assets", "sft", "rm", "evaluate", "report"} | over | runs
+    assert set(stages_run) == {"assets", "sft", "rm", "evaluate", "report"} | over | runs | SWEEP
     assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
     # The SFT policy is its own reference: its KL is exactly zero.
     assert summary["sft_kl_ref"] == 0.0
@@ -106,7 +109,7 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     assert set(again["reused_stages"]) == {
         "sft", "rm", "ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
         "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize", "rm_weak_ensemble",
-        "ppo_overoptimize_ensemble",
+        "ppo_overoptimize_ensemble", *SWEEP,
     }  # fmt: skip
     for name in ("ppo", "grpo", "dpo", "online_dpo"):
         assert again["algorithms"][name]["seeds"] == [
@@ -343,3 +346,18 @@ def test_window_means_cover_whole_windows(values, window):
     for i, m in enumerate(means):
         part = values[i * window : (i + 1) * window]
         assert min(part) - 1e-9 <= m <= max(part) + 1e-9
+
+
+def test_kl_sweep_reports_a_point_per_coefficient_and_seed(small_run):
+    out, summary, _ = small_run
+    sweep = summary["overoptimize_sweep"]
+    assert sorted((p["coef"], p["seed"]) for p in sweep["points"]) == [(0.01, 0), (0.01, 1), (0.1, 0), (0.1, 1)]
+    assert sweep["sft"]["kl_ref"] == 0.0 and set(sweep["shape"]) == {"0", "1"}
+    for run in SWEEP:  # each run trained with its own fixed coefficient against the weak RM
+        config = yaml.safe_load((out / "configs" / f"{run}.yaml").read_text())
+        assert config["model"]["init_args"]["kl"] == {"coef": 0.1 if "kl0.1" in run else 0.01}
+        assert config["model"]["init_args"]["reward_model"]["name_or_path"] == str(out / "rm_weak")
+        assert (out / run / "actor" / "config.json").exists()
+    points = {p["run"]: p for p in sweep["points"]}
+    assert points["ppo_overoptimize_kl0.1"]["kl_ref"] != points["ppo_overoptimize_kl0.01"]["kl_ref"]
+    assert "Over-optimisation sweep" in (out / "report.md").read_text()

@@ -1,7 +1,7 @@
 """The offline demo, end to end: assets -> SFT -> reward model -> algorithms -> evaluation -> report.
 
     python -m lit_rlhf.demo.pipeline --out runs/demo [--algorithms ppo,...] [--seeds N|S1,S2,...]
-        [--reuse] [--small] [--no-overoptimize] [--ensemble] [--threads N]
+        [--reuse] [--small] [--no-overoptimize] [--ensemble] [--kl-sweep C1,C2,...] [--threads N]
 
 1. builds the demo assets into ``OUT/assets`` (skipped when built before with the same settings);
 2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<run>.yaml``, where each config is
@@ -27,6 +27,8 @@ proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a wea
 ``--ensemble`` adds an ensemble of three weak reward models trained on the same pairs
 (``rm_weak_ensemble.yaml``) and the same PPO run against their mean minus one standard deviation
 (``ppo_overoptimize_ensemble.yaml``, Coste et al. 2024), plotted with the single weak model's run.
+``--kl-sweep`` adds the over-optimisation run at each of those fixed KL coefficients, for each training seed,
+and plots the final policies' gold and proxy rewards against their KL (:mod:`lit_rlhf.demo.kl_sweep`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.callbacks import check_output_folder  # noqa: E402
-from lit_rlhf.demo import assets, evaluate, frontier, report  # noqa: E402
+from lit_rlhf.demo import assets, evaluate, frontier, kl_sweep, report  # noqa: E402
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
 from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
 
@@ -113,6 +115,14 @@ def parse_threads(text: str) -> int:
     if threads < 1:
         raise argparse.ArgumentTypeError(f"--threads: at least 1 thread, got {threads}")
     return threads
+
+
+def parse_kl_sweep(text: str) -> list[float]:
+    """``--kl-sweep``: distinct positive KL coefficients (:func:`lit_rlhf.demo.kl_sweep.parse_coefs`)."""
+    try:
+        return kl_sweep.parse_coefs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -200,7 +210,7 @@ def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> 
 
 def run_stages(
     runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
-    manifest: dict, ensemble: bool = False,
+    manifest: dict, ensemble: bool = False, sweep_coefs: Sequence[float] = (),
 ) -> dict[str, list[StageRecord]]:  # fmt: skip
     """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order)."""
     salt = json.dumps(manifest["args"], sort_keys=True)
@@ -224,6 +234,10 @@ def run_stages(
             over = load_config("ppo_overoptimize_ensemble", out, small)
             check_online_configs({"ppo_overoptimize_ensemble": over}, manifest["max_response_tokens"])
             runner.fit("ppo_overoptimize_ensemble", over, ("sft", "rm_weak_ensemble"))
+        for coef in sweep_coefs:
+            for seed in seeds:
+                run, config = kl_sweep.sweep_config(load_config(kl_sweep.BASE, out, small), coef, seed, out)
+                runner.fit(run, config, ("sft", "rm_weak"))
     return runs
 
 
@@ -241,6 +255,11 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
     for name in [n for n in ("ppo_overoptimize", "ppo_overoptimize_ensemble") if n in runner.records]:
         # proxy: the single weak RM for both (the ensemble's own aggregate is in its training curve)
         policies[name] = (str(out / name / "actor"), out / "rm_weak")
+    sweep_runs = [name for name in runner.records if kl_sweep.is_sweep_run(name)]
+    for name in sweep_runs:  # the sweep's proxy is the weak RM, also for its KL-0 point (the SFT policy)
+        policies[name] = (str(Path(export_dir(runner.records[name].config)) / "actor"), out / "rm_weak")
+    if sweep_runs:
+        policies[kl_sweep.SFT_WEAK] = (str(out / "sft"), out / "rm_weak")
     results = {}
     for key, (folder, reward_model) in policies.items():
         rows = evaluate.sample_policy(
@@ -266,6 +285,7 @@ def run(
     small: bool = False,
     overoptimize: bool = True,
     ensemble: bool = False,
+    kl_sweep_coefs: Sequence[float] = (),
     seed: int = 0,
     algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
     seeds: Sequence[int] = (0,),
@@ -283,7 +303,9 @@ def run(
     manifest = build_or_reuse_assets(out / "assets", small, seed)
     wall["assets"] = time.perf_counter() - stage_start
     runner = StageRunner(out, reuse=reuse)
-    algorithm_runs = run_stages(runner, out, small, list(algorithms), list(seeds), overoptimize, manifest, ensemble)
+    algorithm_runs = run_stages(
+        runner, out, small, list(algorithms), list(seeds), overoptimize, manifest, ensemble, kl_sweep_coefs
+    )
     wall.update({run: record.wall_s for run, record in runner.records.items()})
     stage_start = time.perf_counter()
     results = evaluate_all(out, runner, algorithm_runs, small)
@@ -334,11 +356,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         action="store_true",
         help="with the over-optimisation demo, also a weak-RM ensemble (3 members, mean - std) and its PPO run",
     )
+    parser.add_argument(
+        "--kl-sweep",
+        type=parse_kl_sweep,
+        default=[],
+        metavar="C1,C2,...",
+        help="with the over-optimisation demo, also its PPO run at each of these fixed KL coefficients (every"
+        " seed of --seeds), the final policies' gold and proxy plotted against their KL",
+    )
     parser.add_argument("--threads", type=parse_threads, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the demo assets")
     args = parser.parse_args(argv)
     if args.ensemble and not args.overoptimize:
         parser.error("--ensemble adds to the over-optimisation demo: it cannot run with --no-overoptimize")
+    if args.kl_sweep and not args.overoptimize:
+        parser.error("--kl-sweep adds to the over-optimisation demo: it cannot run with --no-overoptimize")
     try:  # an output folder that cannot be written fails now, not after the first stage
         check_output_folder(args.out, "--out")
     except OSError as err:
@@ -351,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         small=args.small,
         overoptimize=args.overoptimize,
         ensemble=args.ensemble,
+        kl_sweep_coefs=args.kl_sweep,
         seed=args.seed,
         algorithms=args.algorithms,
         seeds=args.seeds,

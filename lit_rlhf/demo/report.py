@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lit_rlhf.demo import compare, frontier, overoptimization
+from lit_rlhf.demo import compare, frontier, kl_sweep, overoptimization
 from lit_rlhf.demo.curves import KL_BUDGET
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
 
@@ -250,6 +250,11 @@ def write_report(
         summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
         summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]
     summary.update(overoptimization.summary_fields(results, curves))
+    summary.update(kl_sweep.summary_fields(results, runs))
+    if "overoptimize_sweep" in summary:
+        plots["overoptimize_kl_sweep"] = out / "overoptimize_kl_sweep.png"
+        kl_sweep.plot_sweep(summary["overoptimize_sweep"], plots["overoptimize_kl_sweep"])
+        summary["plots"]["overoptimize_kl_sweep"] = str(plots["overoptimize_kl_sweep"])
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
@@ -324,6 +329,7 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         " pipeline checks every online config's max_new_tokens against it).",
     ]
     lines += overoptimization.report_lines(summary)
+    lines += kl_sweep.report_lines(summary)
     lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
     lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
     reused = set(summary["reused_stages"])
@@ -354,5 +360,6 @@ def console_summary(summary: dict) -> str:
             f"  to target {_fmt(ttt, '.0f')} s  on target {entry['seeds_meeting_target']}/{entry['n_seeds']} seeds"
         )
     lines += overoptimization.console_lines(summary)
+    lines += kl_sweep.console_lines(summary)
     lines += [f"  wall time     {summary['wall_s']:.0f} s ({wall})", "=" * 78]
     return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The demo's over-optimisation sweep over fixed KL coefficients (lit_rlhf.demo.kl_sweep): its configs, the
+shape read from its points (by hand), its report fields and plot, the pipeline's flag. The miniature pipeline
+run with the flag is in tests/test_demo_pipeline.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_rlhf.demo import kl_sweep, pipeline, stages
+from lit_rlhf.demo.stages import StageRecord
+
+
+def test_parse_coefs_takes_distinct_positive_numbers():
+    assert kl_sweep.parse_coefs("0.1, 0.01,0.001") == [0.1, 0.01, 0.001]
+    for text, message in (("0.1", "at least two"), ("0.1,0.1", "at least two distinct"), ("0.1,x", "'x' is not"),
+                          ("0.1,0", "> 0, got '0'"), ("0.1,-1", "> 0"), ("0.1,nan", "finite")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            kl_sweep.parse_coefs(text)
+
+
+def test_sweep_config_fixes_the_coefficient_and_names_the_run_by_coef_and_seed(tmp_path):
+    base = stages.load_config(kl_sweep.BASE, tmp_path, small=False)
+    base["model"]["init_args"]["kl"].update(target=3.0, horizon=100)  # an adaptive base: the sweep fixes it
+    run, config = kl_sweep.sweep_config(base, 0.03, 2, tmp_path)
+    assert run == "ppo_overoptimize_kl0.03_seed2" and kl_sweep.is_sweep_run(run)
+    assert kl_sweep.run_name(0.003, 0) == "ppo_overoptimize_kl0.003"
+    assert config["model"]["init_args"]["kl"] == {"coef": 0.03}
+    assert config["seed_everything"] == 2 and config["model"]["init_args"]["rng_seed"] == 2
+    assert config["trainer"]["logger"]["init_args"]["name"] == run
+    assert stages.export_dir(config) == str(tmp_path / run)
+    # everything else is the over-optimisation run's, and the base is left alone
+    assert config["model"]["init_args"]["reward_model"] == base["model"]["init_args"]["reward_model"]
+    assert config["model"]["init_args"]["actor_optimizer"] == base["model"]["init_args"]["actor_optimizer"]
+    assert base["model"]["init_args"]["kl"]["target"] == 3.0
+
+
+def _point(kl: float, gold: float, proxy: float) -> dict:
+    return {"kl_ref": kl, "gold_mean": gold, "proxy_mean": proxy}
+
+
+def test_sweep_shape_by_hand():
+    sft = _point(0.0, -1.0, 0.5)
+    # relative to SFT, in order of KL: gold 0, 4, 6, 2; proxy 0, 1, 2, 2.5; given out of order
+    points = [_point(20.0, 1.0, 3.0), _point(2.0, 3.0, 1.5), _point(8.0, 5.0, 2.5)]
+    assert kl_sweep.sweep_shape(points, sft) == {
+        "proxy_rise": 2.5, "proxy_largest_drop": 0.0, "proxy_falls": False, "gold_peak": 6.0, "gold_peak_kl": 8.0,
+        "gold_at_largest_kl": 2.0, "gold_drop_from_peak": 4.0, "peaks_and_falls": True,
+    }  # fmt: skip
+    # the proxy falls from KL 8 to KL 20 by 0.5: not the picture, whatever the gold does
+    falling = [_point(20.0, 1.0, 2.5), _point(2.0, 3.0, 1.5), _point(8.0, 5.0, 3.0)]
+    shape = kl_sweep.sweep_shape(falling, sft)
+    assert shape["proxy_largest_drop"] == pytest.approx(0.5) and shape["proxy_falls"] is True
+    assert shape["peaks_and_falls"] is False
+    # the gold still rising at the largest KL, or below SFT everywhere (peak at KL 0): no peak and fall
+    rising = [_point(2.0, 0.0, 1.0), _point(8.0, 2.0, 2.0)]
+    assert kl_sweep.sweep_shape(rising, sft)["peaks_and_falls"] is False
+    below = [_point(2.0, -2.0, 1.0), _point(8.0, -3.0, 2.0)]
+    shape = kl_sweep.sweep_shape(below, sft)
+    assert shape["gold_peak"] == 0.0 and shape["gold_peak_kl"] == 0.0 and shape["peaks_and_falls"] is False
+
+
+def _noisy(point: dict) -> dict:
+    return {**point, "gold_std": 2.0, "proxy_std": 1.0, "n_prompts": 100}
+
+
+def test_sweep_shape_counts_a_fall_beyond_two_standard_errors_only():
+    # proxy std 1 over 100 prompts at each point: a fall counts beyond 2 sqrt(1/100 + 1/100) = 0.283;
+    # gold std 2: beyond 2 sqrt(4/100 + 4/100) = 0.566
+    sft = _noisy(_point(0.0, 0.0, 0.0))
+    within = [_noisy(_point(2.0, 3.0, 1.0)), _noisy(_point(8.0, 5.0, 2.0)), _noisy(_point(20.0, 1.0, 1.8))]
+    shape = kl_sweep.sweep_shape(within, sft)
+    assert shape["proxy_largest_drop"] == pytest.approx(0.2) and shape["proxy_falls"] is False
+    assert shape["peaks_and_falls"] is True
+    beyond = [*within[:2], _noisy(_point(20.0, 1.0, 1.6))]  # a fall of 0.4
+    assert kl_sweep.sweep_shape(beyond, sft)["proxy_falls"] is True
+    assert kl_sweep.sweep_shape(beyond, sft)["peaks_and_falls"] is False
+    flat_gold = [*within[:2], _noisy(_point(20.0, 4.5, 2.5))]  # gold 0.5 under its peak: noise
+    assert kl_sweep.sweep_shape(flat_gold, sft)["peaks_and_falls"] is False
+
+
+def _record(run: str, coef: float, seed: int) -> StageRecord:
+    config = {"seed_everything": seed, "model": {"init_args": {"kl": {"coef": coef}}}}
+    return StageRecord(run=run, key="k", config=config, log_dir="", wall_s=1.0)
+
+
+def _summary(kl: float, gold: float, proxy: float) -> dict:
+    summary = {"kl_ref": kl, "gold_mean": gold, "proxy_mean": proxy, "grammatical_rate": 0.9}
+    return {"summary": {**summary, "gold_std": 0.1, "proxy_std": 0.1, "n_prompts": 1024, "truncated_rate": 0.0}}
+
+
+def test_summary_fields_hold_every_point_and_a_shape_per_seed(tmp_path):
+    runs = {kl_sweep.run_name(c, s): _record(kl_sweep.run_name(c, s), c, s) for c in (0.1, 0.01) for s in (0, 1)}
+    runs["ppo"] = _record("ppo", 0.2, 0)
+    results = {
+        "ppo": _summary(3.0, 9.0, 9.0),
+        kl_sweep.SFT_WEAK: _summary(0.0, 0.0, 0.0),
+        "ppo_overoptimize_kl0.1": _summary(2.0, 3.0, 1.0),
+        "ppo_overoptimize_kl0.01": _summary(9.0, 1.0, 2.0),
+        "ppo_overoptimize_kl0.1_seed1": _summary(3.0, 2.0, 1.0),
+        "ppo_overoptimize_kl0.01_seed1": _summary(8.0, 4.0, 2.0),
+    }
+    sweep = kl_sweep.summary_fields(results, runs)["overoptimize_sweep"]
+    assert sorted((p["coef"], p["seed"]) for p in sweep["points"]) == [(0.01, 0), (0.01, 1), (0.1, 0), (0.1, 1)]
+    assert sweep["sft"] == {"kl_ref": 0.0, "gold_mean": 0.0, "gold_std": 0.1, "proxy_mean": 0.0, "proxy_std": 0.1,
+                            "grammatical_rate": 0.9, "n_prompts": 1024}  # fmt: skip
+    assert sweep["shape"]["0"]["peaks_and_falls"] is True and sweep["shape"]["0"]["gold_peak_kl"] == 2.0
+    assert sweep["shape"]["1"]["peaks_and_falls"] is False and sweep["shape"]["1"]["gold_peak"] == 4.0
+    assert kl_sweep.summary_fields({"ppo": results["ppo"]}, {"ppo": runs["ppo"]}) == {}
+    kl_sweep.plot_sweep(sweep, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    summary = {"overoptimize_sweep": sweep}
+    assert len(kl_sweep.console_lines(summary)) == 2 and "peaks and falls" in kl_sweep.console_lines(summary)[0]
+    lines = kl_sweep.report_lines(summary)
+    assert "coef 0.1: KL 2.0, gold +3.00, proxy +1.00; coef 0.01: KL 9.0" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--no-overoptimize", "--kl-sweep", "0.1,0.01"], "--kl-sweep adds to the over-optimisation demo"),
+        (["--kl-sweep", "0.1,-0.01"], "every KL coefficient must be a finite number > 0"),
+        (["--kl-sweep", "0.1"], "at least two distinct coefficients"),
+    ],
+)
+def test_kl_sweep_usage_errors(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main(["--out", str(tmp_path / "demo"), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
