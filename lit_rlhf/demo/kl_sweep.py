@@ -16,6 +16,7 @@ Summary keys: ``overoptimize_sweep`` (``points``: one per run; ``sft``: the KL-0
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,8 +57,6 @@ def is_sweep_run(run: str) -> bool:
 def sweep_config(base: dict, coef: float, seed: int, out: Path) -> tuple[str, dict]:
     """Run name and config of one sweep point: ``base`` (the over-optimisation config under ``out``) with
     the fixed KL coefficient ``coef`` (no adaptive target) and training seed ``seed``."""
-    import copy
-
     run = run_name(coef, seed)
     config = copy.deepcopy(base)
     init = config["model"]["init_args"]
