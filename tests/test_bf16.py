@@ -192,12 +192,14 @@ def test_reward_model_learns_with_float32_math(tiny_data_dir, tmp_path, recorder
     module = RewardModelModule(_spec(tiny_data_dir), optimizer=partial(AdamW, lr=3e-3),
                                scheduler=None)  # fmt: skip
     losses = Losses()
-    fit = _trainer(tmp_path, precision, max_steps=16, limit_val_batches=0, callbacks=[losses])
+    fit = _trainer(tmp_path, precision, max_steps=24, limit_val_batches=0, callbacks=[losses])
     fit.fit(module, _pairs(tiny_data_dir))
     recorder.check("sequence_scores", "pairwise_reward_loss", logits=None)  # a score head has no logits
     assert_training_state(module, fit.optimizers, precision)
     first, last = sum(losses.values[:3]) / 3, sum(losses.values[-3:]) / 3
-    assert first == pytest.approx(math.log(2), abs=0.05) and last < 0.4, losses.values
+    # 24 steps: the loss leaves log 2 around step 10 and how fast it falls after depends on the batches (a
+    # CI run in another test order averaged 0.42 over steps 14-16 under bf16-true, 0.18 alone)
+    assert first == pytest.approx(math.log(2), abs=0.05) and last < 0.3, losses.values
 
 
 @pytest.mark.parametrize(
