@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_rlhf.demo.stages import name_run
+
 BASE = "ppo_overoptimize"  # the config every run of the sweep starts from
 PREFIX = f"{BASE}_kl"  # run names: ppo_overoptimize_kl0.01, ppo_overoptimize_kl0.01_seed1
 SFT_WEAK = "sft_weak_proxy"  # the SFT policy evaluated with the weak RM as its proxy (the KL-0 point)
@@ -58,15 +60,9 @@ def sweep_config(base: dict, coef: float, seed: int, out: Path) -> tuple[str, di
     """Run name and config of one sweep point: ``base`` (the over-optimisation config under ``out``) with
     the fixed KL coefficient ``coef`` (no adaptive target) and training seed ``seed``."""
     run = run_name(coef, seed)
-    config = copy.deepcopy(base)
+    config = name_run(copy.deepcopy(base), run, seed, ("rng_seed",), out)
     init = config["model"]["init_args"]
     init["kl"] = {**{k: v for k, v in init.get("kl", {}).items() if k not in ("target", "horizon")}, "coef": coef}
-    init["rng_seed"] = seed
-    config["seed_everything"] = seed
-    config["trainer"]["logger"]["init_args"]["name"] = run
-    for callback in config["trainer"]["callbacks"]:
-        if callback["class_path"].endswith("HFExport"):
-            callback["init_args"]["dirpath"] = str(out / run)
     return run, config
 
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from lit_rlhf.callbacks import check_output_folder  # noqa: E402
 from lit_rlhf.demo import assets, evaluate, frontier, kl_sweep, report  # noqa: E402
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
-from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
+from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config, name_run  # noqa: E402
 
 # Asset sizes of the full demo (see assets.build_assets); --small uses assets.SMALL.
 FULL_ASSETS = dict(n_sft=80_000, n_prompts=16_384, n_pref_prompts=4_000, completions_per_prompt=4, n_eval_prompts=1_024)
@@ -155,14 +155,8 @@ def algorithm_config(name: str, seed: int, out: Path, small: bool) -> tuple[str,
     algorithm = ALGORITHMS[name]
     config = load_config(algorithm.config or name, out, small)
     run = name if seed == 0 else f"{name}_seed{seed}"
-    config["seed_everything"] = seed
-    for arg in algorithm.seed_args:
-        config["model"]["init_args"][arg] = seed
-    config["trainer"]["logger"]["init_args"]["name"] = run
+    name_run(config, run, seed, algorithm.seed_args, out)
     callbacks = config["trainer"]["callbacks"]
-    for callback in callbacks:
-        if callback["class_path"].endswith("HFExport"):
-            callback["init_args"]["dirpath"] = str(out / run)
     curve = {
         "prompts_path": str(out / "assets" / "prompts_eval.jsonl"),
         "reference": str(out / "sft"),

@@ -117,6 +117,20 @@ def export_dir(config: dict) -> str:
     raise ValueError("a demo stage config needs a lit_rlhf.callbacks.HFExport callback")
 
 
+def name_run(config: dict, run: str, seed: int, seed_args: tuple[str, ...], out: Path) -> dict:
+    """``config`` (changed in place and returned) as run ``run`` with training seed ``seed``: ``seed_everything``
+    and each ``model.init_args`` key of ``seed_args`` set to ``seed``, its TensorBoard name ``run`` and its
+    HFExport folder ``OUT/<run>``."""
+    config["seed_everything"] = seed
+    for arg in seed_args:
+        config["model"]["init_args"][arg] = seed
+    config["trainer"]["logger"]["init_args"]["name"] = run
+    for callback in config["trainer"].get("callbacks", []):
+        if callback["class_path"].endswith("HFExport"):
+            callback["init_args"]["dirpath"] = str(out / run)
+    return config
+
+
 @dataclass
 class StageRecord:
     """What the report needs of a finished stage (also what ``stages.json`` keeps for ``--reuse``)."""
