@@ -79,3 +79,74 @@ def test_generate_responses_with_and_without_the_transposed_head(tokenizer_dir, 
     for a, b in zip(out[True][3:5], out[False][3:5]):  # behaviour log-probs: logits equal to float rounding
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert "forward" not in model.get_output_embeddings().__dict__
+
+
+class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts to bfloat16 of tensors shaped like one of ``shapes`` (the model's Linear weights)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.count = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            self.count += tuple(args[0].shape) in self.shapes
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("decode_loop", ["lean", "generate"])
+def test_autocast_casts_each_weight_once_per_call_with_the_same_tokens(tokenizer_dir, monkeypatch, decode_loop):
+    """Under an autocast region with its cache off (Lightning's bf16-mixed), generation casts each Linear weight
+    once per call, not once per step, and draws the same tokens with the same log-probs, bit for bit."""
+    import contextlib
+
+    from lit_rlhf.engines import hf_generate
+    from lit_rlhf.rollout import GenerationSettings, generate_responses
+
+    model = _model(tokenizer_dir, llama_config())
+    for p in model.parameters():  # trained weights: what autocast's cache keeps
+        p.requires_grad_(True)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    shapes = {tuple(m.weight.shape) for m in linears}
+    ids = torch.randint(5, 100, (4, 7))
+    settings = GenerationSettings(max_new_tokens=8, decode_loop=decode_loop, transposed_head=False)
+    out, casts = {}, {}
+    for cached in (True, False):
+        if not cached:
+            monkeypatch.setattr(hf_generate, "cached_autocast_casts", lambda m: contextlib.nullcontext(False))
+        torch.manual_seed(5)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), _WeightCasts(
+            shapes
+        ) as counter:
+            out[cached] = generate_responses(model, ids, torch.ones_like(ids), settings, eos_token_id=2, pad_token_id=0)
+            assert not torch.is_autocast_cache_enabled()  # the enclosing region's setting is back
+        casts[cached] = counter.count
+    steps = out[True].ids.shape[1]
+    assert steps > 2
+    for a, b in zip(out[True][:5], out[False][:5]):  # ids, mask, truncated, behaviour log-probs, kept mass
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert casts[True] <= len(linears) < casts[False]
+    assert casts[False] >= (steps - 1) * len(linears)
+
+
+def test_cached_casts_are_cleared_when_the_block_ends(tokenizer_dir):
+    """A weight changed after a cached block (an optimiser step) is cast anew by the next cached block."""
+    from lit_rlhf.models.decoding import cached_autocast_casts
+
+    model = _model(tokenizer_dir, llama_config())
+    ids = torch.randint(5, 100, (2, 5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with cached_autocast_casts(model) as cached:
+            assert cached and torch.is_autocast_cache_enabled()
+            model(input_ids=ids)
+        for p in model.parameters():
+            p.mul_(0.5)  # in place, as an optimiser changes a weight: same tensor, new values
+        expected = model(input_ids=ids).logits  # cast afresh (the enclosing region has no cache)
+        with cached_autocast_casts(model):
+            got = model(input_ids=ids).logits
+    assert torch.equal(got, expected)
+    with cached_autocast_casts(model) as cached:  # no autocast region: nothing to cache
+        assert not cached
+    with torch.autocast("cpu", dtype=torch.bfloat16), cached_autocast_casts(model) as cached:
+        assert not cached  # the enclosing region caches already

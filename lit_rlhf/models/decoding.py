@@ -18,6 +18,11 @@ autocast casts a float32 weight to bfloat16 for every matmul, and Lightning runs
 cache, so the (H, V) copy would be cast again at every decoding step; cast once, it gives the same
 bfloat16 products (measured under autocast on the W1 benchmark's 20.6M-parameter Llama at V = 32,000, 8
 rows x <= 64 new tokens, one core of an AMX Xeon: 1.22-1.29 -> 0.89-0.95 CPU s per ``generate`` call).
+
+The same holds for every other weight under autocast: :func:`cached_autocast_casts` lets autocast cast each
+trainable float32 weight once per ``generate`` call instead of at every decoding step (autocast's own weight
+cache, which Lightning's ``bf16-mixed`` and ``16-mixed`` turn off), on any device. The weights do not change
+while a call draws, so the products are the ones the per-step casts give, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from torch import nn
 
 from lit_rlhf.models.lm_head import _sharded
 
-__all__ = ["TRANSPOSED_HEAD_MIN_ELEMENTS", "output_vocab_size", "transposed_lm_head"]
+__all__ = ["TRANSPOSED_HEAD_MIN_ELEMENTS", "cached_autocast_casts", "output_vocab_size", "transposed_lm_head"]
 
 # Below 2**20 weight elements (4 MiB of float32) the per-call copy is cheap and stays in cache.
 TRANSPOSED_HEAD_MIN_ELEMENTS = 1 << 20
@@ -93,3 +98,39 @@ def transposed_lm_head(model: nn.Module, enabled: bool = True) -> Iterator[bool]
         yield True
     finally:
         del head.forward
+
+
+@contextmanager
+def cached_autocast_casts(model: nn.Module) -> Iterator[bool]:
+    """Within the block, autocast casts each of ``model``'s trainable float32 weights once, not per forward.
+
+    Autocast keeps a cast of a leaf tensor that requires grad for as long as its outermost region lasts
+    when its cache is on (``torch.autocast(cache_enabled=True)``); Lightning's mixed precision opens its
+    region with the cache off (a training step's weights change between forwards), so a decoding loop of
+    T steps casts every weight T times: at the W1 benchmark's size that is most of a bf16 decoding step on
+    a CPU. A decoding loop does not change the weights, so this opens a nested region with the cache on,
+    in the enclosing region's device and dtype, and clears the cache when it ends: the casts are the same,
+    made once, and no later forward can see a cast of a weight the optimiser has since changed.
+
+    Only where an autocast region with its cache off encloses the call and FSDP does not manage the model
+    (the cache would hold a whole unsharded copy of the weights on each rank); elsewhere nothing changes.
+
+    Yields:
+        Whether the nested, caching region is open.
+    """
+    param = next(model.parameters(), None)
+    device_type = param.device.type if param is not None else "cpu"
+    head = getattr(model, "get_output_embeddings", lambda: None)() or model
+    if (
+        param is None
+        or not torch.is_autocast_enabled(device_type)
+        or torch.is_autocast_cache_enabled()
+        or _sharded(model, head)
+    ):
+        yield False
+        return
+    try:
+        with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=True):
+            yield True
+    finally:
+        torch.clear_autocast_cache()
