@@ -24,6 +24,10 @@ ALGORITHM_KEYS = {*compare.METRICS, "std", "min", "n_seeds", "seeds", "seeds_mee
                   "seeds_reaching_target_in_curve"}  # fmt: skip
 ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "--threads", "1", "--ensemble",
         "--kl-sweep", "0.1,0.01"]  # fmt: skip
+# --ensemble: both ensembles' members and every reward source's run for every seed
+ENSEMBLE = {"rm_weak_ensemble", "sft_seed1", "sft_seed2", "rm_weak_sft1", "rm_weak_sft2", "ppo_overoptimize_ensemble",
+            "ppo_overoptimize_pretrain_ensemble", "ppo_overoptimize_seed1", "ppo_overoptimize_ensemble_seed1",
+            "ppo_overoptimize_pretrain_ensemble_seed1"}  # fmt: skip
 SWEEP = {"ppo_overoptimize_kl0.1", "ppo_overoptimize_kl0.01", "ppo_overoptimize_kl0.1_seed1", "ppo_overoptimize_kl0.01_seed1"}
 
 
@@ -41,14 +45,14 @@ def test_small_pipeline_writes_the_report(small_run):
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
                  "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png",
                  "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png",
-                 "overoptimize_kl_sweep.png"):  # fmt: skip
+                 "overoptimize_kl_sweep.png", "ppo_overoptimize_pretrain_ensemble_reward_vs_kl.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
     runs = {"ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1", "online_dpo", "online_dpo_seed1"}
     stages_run = summary["wall_s_per_stage"]
-    over = {"rm_weak", "ppo_overoptimize", "rm_weak_ensemble", "ppo_overoptimize_ensemble"}
+    over = {"rm_weak", "ppo_overoptimize", *ENSEMBLE}
     assert set(stages_run) == {"assets", "sft", "rm", "evaluate", "report"} | over | runs | SWEEP
     assert summary["wall_s"] >= sum(stages_run.values()) - 1e-6
     # The SFT policy is its own reference: its KL is exactly zero.
@@ -108,8 +112,7 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
     _, first, again = small_run
     assert set(again["reused_stages"]) == {
         "sft", "rm", "ppo", "ppo_seed1", "grpo", "grpo_seed1", "dpo", "dpo_seed1",
-        "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize", "rm_weak_ensemble",
-        "ppo_overoptimize_ensemble", *SWEEP,
+        "online_dpo", "online_dpo_seed1", "rm_weak", "ppo_overoptimize", *ENSEMBLE, *SWEEP,
     }  # fmt: skip
     for name in ("ppo", "grpo", "dpo", "online_dpo"):
         assert again["algorithms"][name]["seeds"] == [
@@ -126,7 +129,8 @@ def test_reuse_skips_recorded_stages_and_gives_the_same_figures(small_run):
 def test_small_pipeline_keeps_models_and_tensorboard_logs(small_run):
     out, _, _ = small_run
     for folder in ("sft", "rm", "ppo/actor", "ppo/critic", "ppo_seed1/actor", "grpo/actor", "dpo", "rm_weak",
-                   "ppo_overoptimize/actor", "rm_weak_ensemble/member_2", "ppo_overoptimize_ensemble/actor"):  # fmt: skip
+                   "ppo_overoptimize/actor", "rm_weak_ensemble/member_2", "ppo_overoptimize_ensemble/actor", "sft_seed2", "rm_weak_sft2",
+                   "ppo_overoptimize_pretrain_ensemble_seed1/actor"):  # fmt: skip
         assert (out / folder / "config.json").exists(), folder
     for stage in ("sft", "rm", "ppo", "ppo_seed1", "grpo", "dpo", "rm_weak", "ppo_overoptimize"):
         assert list((out / "tb" / stage).glob("events.out.tfevents.*")), stage
@@ -150,7 +154,39 @@ def test_ensemble_row_is_reported_beside_the_single_weak_model(small_run):
     scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_ensemble")
     assert {"rollout/ensemble_std", "rollout/reward/member_0", "rollout/reward/member_2"} <= set(scalars)
     report_md = (out / "report.md").read_text()
-    assert "- Ensemble run (members' accuracies" in report_md and "| PPO OVEROPTIMIZE ENSEMBLE |" in report_md
+    assert "- ensemble of 3 weak RMs on one SFT backbone (mean - std) (members' accuracies" in report_md
+    assert "| PPO OVEROPTIMIZE ENSEMBLE |" in report_md
+
+
+def test_pretrain_ensemble_members_have_their_own_backbones_and_every_source_runs_per_seed(small_run):
+    out, summary, _ = small_run
+    manifest = json.loads((out / "rm_weak_pretrain_ensemble" / "ensemble.json").read_text())
+    assert manifest["members"] == ["../rm_weak", "../rm_weak_sft1", "../rm_weak_sft2"]
+    assert manifest["aggregation"] == "mean_minus_std" and manifest["kind"] == "pretrain"
+    for k in (1, 2):  # every seed of member k is k: its SFT backbone from scratch and its weak RM on it
+        sft = yaml.safe_load((out / "configs" / f"sft_seed{k}.yaml").read_text())
+        assert sft["seed_everything"] == k and sft["model"]["init_args"]["model"]["seed"] == k
+        rm = yaml.safe_load((out / "configs" / f"rm_weak_sft{k}.yaml").read_text())
+        assert rm["model"]["init_args"]["model"] == {"name_or_path": str(out / f"sft_seed{k}"), "seed": k}
+        assert rm["data"] == yaml.safe_load((out / "configs" / "rm_weak.yaml").read_text())["data"]  # same pairs
+    assert len(summary["rm_weak_pretrain_ensemble_member_accuracies"]) == 3
+    assert summary["rm_weak_pretrain_ensemble_member_accuracies"][0] == summary["rm_weak_val_accuracy"]
+    scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_pretrain_ensemble_seed1")
+    assert {"rollout/ensemble_std", "rollout/reward/member_0", "rollout/reward/member_2"} <= set(scalars)
+    sources = summary["overoptimize_sources"]
+    assert list(sources) == ["single", "finetune_ensemble", "pretrain_ensemble"]
+    base = {"single": "ppo_overoptimize", "finetune_ensemble": "ppo_overoptimize_ensemble",
+            "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble"}  # fmt: skip
+    for source, entry in sources.items():
+        assert [(r["seed"], r["run"]) for r in entry["seeds"]] == [(0, base[source]), (1, f"{base[source]}_seed1")]
+        config = yaml.safe_load((out / "configs" / f"{base[source]}_seed1.yaml").read_text())
+        assert config["seed_everything"] == 1 and config["model"]["init_args"]["rng_seed"] == 1
+        assert config["model"]["init_args"]["kl"] == {"coef": 0.001}  # the weak KL of every source
+        for row in entry["seeds"]:  # the miniature SFT has no gold spread: no lift, nothing holds
+            assert row["gold_lift"] is None and row["holds"] is False
+            assert row["collapsed"] == (row["gold_mean"] <= -5.0)
+        assert entry["collapsed"] == sum(r["collapsed"] for r in entry["seeds"])
+    assert "- Final policies, pretrain_ensemble: seed 0: gold" in (out / "report.md").read_text()
 
 
 def test_ensemble_without_the_overoptimisation_run_is_a_usage_error(tmp_path, capsys):

@@ -1,15 +1,19 @@
-"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, the ensemble's.
+"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, two ensembles'.
 
-Both runs are PPO with the same weak, fixed KL penalty and learning rate, from the SFT policy; the proxy of
+Every run is PPO with the same weak, fixed KL penalty and learning rate, from the SFT policy; the proxy of
 ``ppo_overoptimize`` is the weak reward model (``rm_weak``), that of ``ppo_overoptimize_ensemble`` the mean
-minus one standard deviation of three weak reward models trained on the same pairs (``rm_weak_ensemble``;
-Coste et al. 2024, arXiv:2310.02743). Their final policies are evaluated like every other (the "proxy" of
-that evaluation is the single weak RM for both); their training curves (gold and proxy per window of
-rollouts) are read as Gao et al. (2022, arXiv:2210.10760) read theirs: against sqrt(KL).
+minus one standard deviation of three weak reward models on one SFT backbone (``rm_weak_ensemble``), that of
+``ppo_overoptimize_pretrain_ensemble`` the same aggregate of three weak reward models on SFT backbones
+pre-trained with three seeds (``rm_weak_pretrain_ensemble``; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
+al. 2024, arXiv:2310.02743; Eisenstein et al. 2023, arXiv:2312.09244). Their final policies are evaluated
+like every other (the "proxy" of that evaluation is the single weak RM for all); the seed-0 training curves
+(gold and proxy per window of rollouts) are read as Gao et al. (2022, arXiv:2210.10760) read theirs: against
+sqrt(KL); with ``--seeds`` every source runs per seed and :func:`sources_summary` compares the final policies.
 
-Summary keys: ``overoptimize_<k>`` and ``overoptimize_ensemble_<k>`` (the evaluation summary of each final
-policy), ``overoptimize_curve`` / ``overoptimize_ensemble_curve`` (:func:`~lit_rlhf.demo.curves.
-overoptimization_shape`), ``rm_weak_val_accuracy``, ``rm_weak_ensemble_member_accuracies``.
+Summary keys: ``overoptimize_<k>``, ``overoptimize_ensemble_<k>`` and ``overoptimize_pretrain_ensemble_<k>``
+(the evaluation summary of each seed-0 final policy), ``<prefix>_curve`` (:func:`~lit_rlhf.demo.curves.
+overoptimization_shape`), ``rm_weak_val_accuracy``, ``rm_weak_ensemble_member_accuracies``,
+``rm_weak_pretrain_ensemble_member_accuracies`` and ``overoptimize_sources`` (:func:`sources_summary`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from lit_rlhf.demo.curves import overoptimization_shape
+from lit_rlhf.demo.ensemble_runs import PRETRAIN_MANIFEST, source_runs
+from lit_rlhf.demo.world import UNGRAMMATICAL_REWARD
 
-RUNS = {"ppo_overoptimize": "overoptimize", "ppo_overoptimize_ensemble": "overoptimize_ensemble"}
-LABELS = {"ppo_overoptimize": "single weak RM", "ppo_overoptimize_ensemble": "ensemble of 3 weak RMs (mean - std)"}
+RUNS = {
+    "ppo_overoptimize": "overoptimize",
+    "ppo_overoptimize_ensemble": "overoptimize_ensemble",
+    "ppo_overoptimize_pretrain_ensemble": "overoptimize_pretrain_ensemble",
+}
+LABELS = {
+    "ppo_overoptimize": "single weak RM",
+    "ppo_overoptimize_ensemble": "ensemble of 3 weak RMs on one SFT backbone (mean - std)",
+    "ppo_overoptimize_pretrain_ensemble": "ensemble of 3 weak RMs on SFT backbones of 3 seeds (mean - std)",
+}
+_MEMBERS = {"overoptimize_ensemble": "rm_weak_ensemble", "overoptimize_pretrain_ensemble": PRETRAIN_MANIFEST}
+HOLDS_SFT_STD = 1.0  # a final policy "holds" at a gold of at least SFT's mean + this many SFT std
+FLOOR_MARGIN = 1.0  # ... and "collapsed" at a gold within this of the world's floor (UNGRAMMATICAL_REWARD)
 
 
 def summary_fields(results: dict, curves: dict) -> dict[str, Any]:
@@ -33,9 +50,36 @@ def summary_fields(results: dict, curves: dict) -> dict[str, Any]:
             fields[f"{prefix}_curve"] = overoptimization_shape(curves[run])
     if "rm_weak" in results:
         fields["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
-    if "rm_weak_ensemble" in results:
-        fields["rm_weak_ensemble_member_accuracies"] = [m["gold_accuracy"] for m in results["rm_weak_ensemble"]]
+    for members in _MEMBERS.values():
+        if members in results:
+            fields[f"{members}_member_accuracies"] = [m["gold_accuracy"] for m in results[members]]
     return fields
+
+
+def sources_summary(results: dict, runs: dict) -> dict[str, Any]:
+    """``overoptimize_sources``: per reward source, every seed's final policy (gold, its lift in SFT standard
+    deviations, KL, grammatical rate; whether it holds, at least SFT + ``HOLDS_SFT_STD`` std, and whether it
+    collapsed, within ``FLOOR_MARGIN`` of the world's floor) and the counts; empty without ``--ensemble``."""
+    found = source_runs(runs)
+    if len(found) < 2 or "sft" not in results:
+        return {}
+    sft = results["sft"]["summary"]
+    out = {}
+    for source, seeds in found.items():
+        rows = []
+        for seed, run in sorted(seeds.items()):
+            final = results[run]["summary"]
+            # no SFT spread (the miniature's SFT policy writes no grammatical review): no lift
+            lift = (final["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] > 0 else None
+            rows.append({"seed": seed, "run": run, "gold_mean": final["gold_mean"], "gold_lift": lift,
+                         "kl_ref": final["kl_ref"], "grammatical_rate": final["grammatical_rate"],
+                         "holds": lift is not None and lift >= HOLDS_SFT_STD,
+                         "collapsed": final["gold_mean"] <= UNGRAMMATICAL_REWARD + FLOOR_MARGIN})  # fmt: skip
+        lifts = [r["gold_lift"] for r in rows if r["gold_lift"] is not None]
+        mean, low = (sum(lifts) / len(lifts), min(lifts)) if len(lifts) == len(rows) else (None, None)
+        out[source] = {"seeds": rows, "mean_gold_lift": mean, "min_gold_lift": low,
+                       "holds": sum(r["holds"] for r in rows), "collapsed": sum(r["collapsed"] for r in rows)}  # fmt: skip
+    return {"overoptimize_sources": out}
 
 
 def plot_runs(curves: dict, path: Path) -> None:
@@ -46,21 +90,26 @@ def plot_runs(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_gold, ax_proxy) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, color in zip(RUNS, ("tab:red", "tab:green")):
+    for run, color in zip(RUNS, ("tab:red", "tab:green", "tab:blue")):
         if run not in curves:
             continue
         x = [max(kl, 0.0) ** 0.5 for kl in curves[run]["kl"]]
         for ax, name in ((ax_gold, "gold"), (ax_proxy, "proxy")):
-            ax.plot(x, [v - curves[run][name][0] for v in curves[run][name]], "o-", color=color, ms=3, label=LABELS[run])
+            ys = [v - curves[run][name][0] for v in curves[run][name]]
+            ax.plot(x, ys, "o-", color=color, ms=3, label=LABELS[run])
     for ax, name in ((ax_gold, "gold"), (ax_proxy, "proxy (each run's own)")):
         ax.set_xlabel("sqrt(KL(policy || reference)), nats per response")
         ax.set_ylabel(f"{name} reward - first window")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Over-optimisation: weak KL penalty, a single weak RM against an ensemble of weak RMs")
+        ax.legend(fontsize=7)
+    fig.suptitle("Over-optimisation: weak KL penalty, a single weak RM against ensembles of weak RMs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _lift(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}"
 
 
 def _shape_text(shape: dict) -> str:
@@ -85,14 +134,27 @@ def report_lines(summary: dict) -> list[str]:
             + _shape_text(summary["overoptimize_curve"])
             + "."
         )
-    if "overoptimize_ensemble_gold_mean" in summary:
-        accuracies = ", ".join(f"{a:.3f}" for a in summary.get("rm_weak_ensemble_member_accuracies", []))
+    for prefix, members in _MEMBERS.items():
+        if f"{prefix}_gold_mean" not in summary:
+            continue
+        accuracies = ", ".join(f"{a:.3f}" for a in summary.get(f"{members}_member_accuracies", []))
         lines.append(
-            f"- Ensemble run (members' accuracies {accuracies}): final gold"
-            f" {summary['overoptimize_ensemble_gold_mean']:+.2f}, KL {summary['overoptimize_ensemble_kl_ref']:.2f},"
-            f" grammatical {summary['overoptimize_ensemble_grammatical_rate']:.3f}; curve: "
-            + _shape_text(summary["overoptimize_ensemble_curve"])
+            f"- {LABELS['ppo_' + prefix]} (members' accuracies {accuracies}): final gold"
+            f" {summary[f'{prefix}_gold_mean']:+.2f}, KL {summary[f'{prefix}_kl_ref']:.2f},"
+            f" grammatical {summary[f'{prefix}_grammatical_rate']:.3f}; curve: "
+            + _shape_text(summary[f"{prefix}_curve"])
             + "."
+        )
+    for source, entry in summary.get("overoptimize_sources", {}).items():
+        seeds = "; ".join(
+            f"seed {r['seed']}: gold {r['gold_mean']:+.2f} ({_lift(r['gold_lift'])} SFT std), KL {r['kl_ref']:.1f},"
+            f" grammatical {r['grammatical_rate']:.3f}" + (" (collapsed)" if r["collapsed"] else "")
+            for r in entry["seeds"]
+        )
+        lines.append(
+            f"- Final policies, {source}: {seeds}. Mean lift {_lift(entry['mean_gold_lift'])} (min"
+            f" {_lift(entry['min_gold_lift'])}); {entry['holds']}/{len(entry['seeds'])} at least SFT +"
+            f" {HOLDS_SFT_STD:g} std, {entry['collapsed']} collapsed to the floor."
         )
     return lines
 
@@ -100,18 +162,25 @@ def report_lines(summary: dict) -> list[str]:
 def console_lines(summary: dict) -> list[str]:
     """The console summary's lines of the over-optimisation runs."""
     lines = []
-    for prefix, label in (("overoptimize", "over-optimisation"), ("overoptimize_ensemble", "ensemble")):
+    for prefix, label in (("overoptimize", "over-optimisation"), ("overoptimize_ensemble", "ensemble"),
+                          ("overoptimize_pretrain_ensemble", "pretrain ensemble")):  # fmt: skip
         if f"{prefix}_gold_mean" not in summary:
             continue
         accuracy = (
             f"weak RM acc {summary['rm_weak_val_accuracy']:.3f}"
             if prefix == "overoptimize"
-            else "members " + "/".join(f"{a:.3f}" for a in summary.get("rm_weak_ensemble_member_accuracies", []))
+            else "members " + "/".join(f"{a:.3f}" for a in summary.get(f"{_MEMBERS[prefix]}_member_accuracies", []))
         )
         curve = summary.get(f"{prefix}_curve")
         peak = f", gold peak {curve['gold_peak']:+.2f} (vs first window)" if curve else ""
         lines.append(
             f"  {label}: {accuracy}, final gold {summary[f'{prefix}_gold_mean']:+.2f},"
             f" proxy {summary[f'{prefix}_proxy_mean']:+.2f}, KL {summary[f'{prefix}_kl_ref']:.2f}{peak}"
+        )
+    for source, entry in summary.get("overoptimize_sources", {}).items():
+        lifts = ", ".join(_lift(r["gold_lift"]) for r in entry["seeds"])
+        lines.append(
+            f"  {source} per seed: gold lift {lifts} (SFT std); {entry['holds']}/{len(entry['seeds'])} hold,"
+            f" {entry['collapsed']} collapsed"
         )
     return lines

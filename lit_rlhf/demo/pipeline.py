@@ -24,9 +24,10 @@ The run of seed 0 is named after the algorithm (``OUT/ppo``, ``tb/ppo``), seed s
 The reward over-optimisation run (Gao et al. 2022; skipped with ``--no-overoptimize``) adds a weaker
 proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
 (``ppo_overoptimize.yaml``), whose gold and proxy rewards are plotted against the KL to the reference.
-``--ensemble`` adds an ensemble of three weak reward models trained on the same pairs
-(``rm_weak_ensemble.yaml``) and the same PPO run against their mean minus one standard deviation
-(``ppo_overoptimize_ensemble.yaml``, Coste et al. 2024), plotted with the single weak model's run.
+``--ensemble`` adds two ensembles of three weak reward models trained on the same pairs, one on the one
+SFT backbone (``rm_weak_ensemble.yaml``), one on SFT backbones pre-trained with three seeds, and the same PPO
+run against each one's mean minus one standard deviation (Coste et al. 2024), every source once per seed of
+``--seeds`` (:mod:`lit_rlhf.demo.ensemble_runs`), plotted with the single weak model's run.
 ``--kl-sweep`` adds the over-optimisation run at each of those fixed KL coefficients, for each training seed,
 and plots the final policies' gold and proxy rewards against their KL (:mod:`lit_rlhf.demo.kl_sweep`).
 """
@@ -38,6 +39,7 @@ import time
 _PROCESS_START = time.perf_counter()  # before the heavy imports below: they are part of the demo's wall time
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -46,7 +48,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from lit_rlhf.callbacks import check_output_folder  # noqa: E402
-from lit_rlhf.demo import assets, evaluate, frontier, kl_sweep, report  # noqa: E402
+from lit_rlhf.demo import assets, ensemble_runs, evaluate, frontier, kl_sweep, report  # noqa: E402
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
 from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config, name_run  # noqa: E402
 
@@ -223,11 +225,10 @@ def run_stages(
         over = load_config("ppo_overoptimize", out, small)
         check_online_configs({"ppo_overoptimize": over}, manifest["max_response_tokens"])
         runner.fit("ppo_overoptimize", over, ("sft", "rm_weak"))
-        if ensemble:
-            runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
-            over = load_config("ppo_overoptimize_ensemble", out, small)
-            check_online_configs({"ppo_overoptimize_ensemble": over}, manifest["max_response_tokens"])
-            runner.fit("ppo_overoptimize_ensemble", over, ("sft", "rm_weak_ensemble"))
+        if ensemble:  # the three reward sources' runs, every seed (lit_rlhf.demo.ensemble_runs)
+            ensemble_runs.fit_members(runner, out, small)
+            check = functools.partial(check_online_configs, max_response_tokens=manifest["max_response_tokens"])
+            ensemble_runs.fit_runs(runner, out, small, seeds, check)
         for coef in sweep_coefs:
             for seed in seeds:
                 run, config = kl_sweep.sweep_config(load_config(kl_sweep.BASE, out, small), coef, seed, out)
@@ -246,9 +247,9 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         for record in records:
             policy = Path(export_dir(record.config)) / ALGORITHMS[name].policy_subdir
             policies[record.run] = (str(policy), out / "rm")
-    for name in [n for n in ("ppo_overoptimize", "ppo_overoptimize_ensemble") if n in runner.records]:
-        # proxy: the single weak RM for both (the ensemble's own aggregate is in its training curve)
-        policies[name] = (str(out / name / "actor"), out / "rm_weak")
+    for runs in ensemble_runs.source_runs(runner.records).values():
+        for name in runs.values():  # proxy: the single weak RM for all (an ensemble's own is in its curve)
+            policies[name] = (str(Path(export_dir(runner.records[name].config)) / "actor"), out / "rm_weak")
     sweep_runs = [name for name in runner.records if kl_sweep.is_sweep_run(name)]
     for name in sweep_runs:  # the sweep's proxy is the weak RM, also for its KL-0 point (the SFT policy)
         policies[name] = (str(Path(export_dir(runner.records[name].config)) / "actor"), out / "rm_weak")
@@ -267,6 +268,10 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         members = sorted((out / "rm_weak_ensemble").glob("member_*"))
         results["rm_weak_ensemble"] = [
             evaluate.evaluate_reward_model(member, out / "assets" / "prefs_val.jsonl") for member in members
+        ]
+        results[ensemble_runs.PRETRAIN_MANIFEST] = [results["rm_weak"]] + [
+            evaluate.evaluate_reward_model(out / f"rm_weak_sft{k}", out / "assets" / "prefs_val.jsonl")
+            for k in ensemble_runs.PRETRAIN_MEMBER_SEEDS
         ]
     n_prompts, n = SMALL_FRONTIER if small else (FRONTIER_PROMPTS, FRONTIER_N)
     results["frontier"] = frontier.sample_frontier(out / "sft", out / "rm", prompts[:n_prompts], generation, n)
@@ -348,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--ensemble",
         action="store_true",
-        help="with the over-optimisation demo, also a weak-RM ensemble (3 members, mean - std) and its PPO run",
+        help="with the over-optimisation demo, also two weak-RM ensembles (3 members on one SFT backbone; 3 on"
+        " backbones of 3 seeds; mean - std) and the run against each source for every seed of --seeds",
     )
     parser.add_argument(
         "--kl-sweep",

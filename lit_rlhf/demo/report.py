@@ -250,6 +250,7 @@ def write_report(
         summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
         summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]
     summary.update(overoptimization.summary_fields(results, curves))
+    summary.update(overoptimization.sources_summary(results, runs))
     summary.update(kl_sweep.summary_fields(results, runs))
     if "overoptimize_sweep" in summary:
         plots["overoptimize_kl_sweep"] = out / "overoptimize_kl_sweep.png"
@@ -272,7 +273,7 @@ def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
         title = "PPO" if name == "ppo" else f"Over-optimisation: {overoptimization.LABELS[name]}, weak KL penalty"
         budget = KL_BUDGET if name == "ppo" else None
         plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget, sqrt_kl=name != "ppo")
-    if "ppo_overoptimize_ensemble" in curves:
+    if {"ppo_overoptimize_ensemble", "ppo_overoptimize_pretrain_ensemble"} & set(curves):
         plots["overoptimize_runs"] = out / "overoptimize_single_vs_ensemble.png"
         overoptimization.plot_runs(curves, plots["overoptimize_runs"])
     plots["rm_accuracy"] = out / "rm_accuracy.png"

@@ -1,0 +1,96 @@
+"""The fits of ``--ensemble``: the weak-KL over-optimisation run against three reward sources, per seed.
+
+Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_weak.yaml``, 150 steps):
+
+- ``single``: the weak RM itself (``rm_weak``); runs ``ppo_overoptimize[_seed<s>]``;
+- ``finetune_ensemble``: three weak RMs on the one SFT backbone that differ in their head's seed, their
+  data order and their Poisson bootstrap resample (``rm_weak_ensemble.yaml``; a *fine-tune ensemble* in
+  the terms of Eisenstein et al. 2023, arXiv:2312.09244, sec. 3); runs ``ppo_overoptimize_ensemble[...]``;
+- ``pretrain_ensemble``: three weak RMs each on its own SFT backbone, the SFT model trained from scratch
+  with the member's seed (``rm_weak`` on ``sft`` and, for k = 1, 2, ``rm_weak_sft<k>`` on ``sft_seed<k>``:
+  ``sft.yaml`` and ``rm_weak.yaml`` with every seed k): Eisenstein et al.'s *pretrain ensemble*. Members
+  that differ only in a head fine-tuned on one backbone share that backbone's view of text no pair
+  shows, so they agree where a policy goes beyond the data; members pre-trained apart extrapolate apart,
+  and their spread, which mean - std penalises, grows there. Runs
+  ``ppo_overoptimize_pretrain_ensemble[_seed<s>]`` (``ppo_overoptimize_pretrain_ensemble.yaml``, its
+  manifest written by :func:`write_pretrain_manifest`).
+
+Both ensembles aggregate as mean - 1 std (Coste et al. 2024, arXiv:2310.02743). Each source's run has the
+weak KL penalty and learning rate of ``ppo_overoptimize.yaml`` and runs once per training seed of ``--seeds``
+(seed 0 is the run the report plots); the report's ``overoptimize_sources``
+(:func:`lit_rlhf.demo.overoptimization.sources_summary`) compares their final policies seed by seed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from lit_rlhf.demo.stages import StageRunner, load_config, name_run
+from lit_rlhf.ensembles import write_ensemble_manifest
+
+PRETRAIN_MEMBER_SEEDS = (1, 2)  # the members beyond the weak RM of the demo's own SFT backbone (seed 0)
+PRETRAIN_MANIFEST = "rm_weak_pretrain_ensemble"
+SOURCES = {  # source -> the config (and the seed-0 run name) of its PPO run
+    "single": "ppo_overoptimize",
+    "finetune_ensemble": "ppo_overoptimize_ensemble",
+    "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble",
+}
+_INPUTS = {
+    "single": ("sft", "rm_weak"),
+    "finetune_ensemble": ("sft", "rm_weak_ensemble"),
+    "pretrain_ensemble": ("sft", "rm_weak", *[f"{stage}{k}" for k in PRETRAIN_MEMBER_SEEDS for stage in ("sft_seed", "rm_weak_sft")]),
+}  # fmt: skip
+
+
+def run_name(source: str, seed: int) -> str:
+    """The run of ``source`` with training seed ``seed``: its config's name for seed 0, ``..._seed<s>`` else."""
+    return SOURCES[source] + ("" if seed == 0 else f"_seed{seed}")
+
+
+def source_runs(runs: dict) -> dict[str, dict[int, str]]:
+    """source -> {seed: run} of the runs of ``runs`` (names to records) that belong to a source."""
+    found: dict[str, dict[int, str]] = {}
+    for name, record in runs.items():
+        for source in SOURCES:
+            seed = record.config.get("seed_everything", 0)
+            if name == run_name(source, seed):
+                found.setdefault(source, {})[seed] = name
+    return found
+
+
+def write_pretrain_manifest(out: Path) -> Path:
+    """``OUT/rm_weak_pretrain_ensemble/ensemble.json``: the weak RM and the members on the other backbones."""
+    members = ["../rm_weak", *[f"../rm_weak_sft{k}" for k in PRETRAIN_MEMBER_SEEDS]]
+    return write_ensemble_manifest(
+        out / PRETRAIN_MANIFEST, members, "mean_minus_std", 1.0, kind="pretrain", seeds=[0, *PRETRAIN_MEMBER_SEEDS]
+    )
+
+
+def fit_members(runner: StageRunner, out: Path, small: bool) -> None:
+    """Both ensembles' members: ``rm_weak_ensemble``, and an SFT backbone and a weak RM per pretrain seed."""
+    runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
+    for k in PRETRAIN_MEMBER_SEEDS:
+        sft = name_run(load_config("sft", out, small), f"sft_seed{k}", k, (), out)
+        sft["model"]["init_args"]["model"]["seed"] = k
+        runner.fit(f"sft_seed{k}", sft)
+        rm = name_run(load_config("rm_weak", out, small), f"rm_weak_sft{k}", k, (), out)
+        rm["model"]["init_args"]["model"].update(name_or_path=str(out / f"sft_seed{k}"), seed=k)
+        runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))
+    write_pretrain_manifest(out)
+
+
+def fit_runs(runner: StageRunner, out: Path, small: bool, seeds: list[int], check) -> None:
+    """Every source's PPO run for every seed (the single weak RM's seed 0, run by the demo itself, excepted).
+
+    ``check`` is called with {run: config} of each source's config before anything trains
+    (``pipeline.check_online_configs``)."""
+    configs = {source: load_config(config, out, small) for source, config in SOURCES.items()}
+    check(dict(zip(SOURCES.values(), configs.values())))
+    for seed in seeds:
+        for source, base in configs.items():
+            run = run_name(source, seed)
+            if run in runner.records:
+                continue
+            config = name_run(copy.deepcopy(base), run, seed, ("rng_seed",), out)
+            runner.fit(run, config, _INPUTS[source])
