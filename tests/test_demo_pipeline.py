@@ -64,6 +64,7 @@ def test_small_pipeline_writes_the_report(small_run):
     assert summary["ppo_within_kl_budget"] == (summary["ppo_kl_ref"] <= report.KL_BUDGET)
     assert summary["n_seeds"] == 2 and summary["reused_stages"] == []
     assert summary["machine"]["threads"] == 1 and summary["machine"]["cpu"]  # the CPU the figures are from
+    assert set(summary["machine"]["cpu_features"]) <= set(report.CPU_FEATURES)
     report_md = (out / "report.md").read_text()  # of the second, reusing run: same rows
     for name in ("ppo", "grpo", "dpo", "online_dpo"):
         assert f"| {name} | 0,1 |" in report_md, name

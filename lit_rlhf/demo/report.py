@@ -167,6 +167,11 @@ def _table(results: dict, names: list[str]) -> list[str]:
     return lines
 
 
+# The vector units that tell the CPU kinds of this project's machines apart (one "model name" can be either
+# Xeon; float32 products round alike with or without AMX, which only bf16 and int8 products use).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
     hence the demo's figures, moves with each of them)."""
@@ -174,16 +179,15 @@ def machine() -> dict[str, Any]:
 
     import transformers
 
-    cpu = platform.processor() or "unknown CPU"
+    cpu, features = platform.processor() or "unknown CPU", []
     try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
+        features = [f for f in CPU_FEATURES if f in flags]
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu, "cpu_features": features, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__}  # fmt: skip
 
 
@@ -324,7 +328,8 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
         f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
         f" {summary['rm_val_label_accuracy']:.3f}).",
-        f"- Measured on {summary['machine']['cpu']} with {summary['machine']['threads']} torch threads"
+        f"- Measured on {summary['machine']['cpu']} ({', '.join(summary['machine'].get('cpu_features', [])) or 'no'}"
+        f" of {', '.join(CPU_FEATURES)}) with {summary['machine']['threads']} torch threads"
         f" (torch {summary['machine']['torch']}, transformers {summary['machine']['transformers']}).",
         f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
         " pipeline checks every online config's max_new_tokens against it).",
@@ -348,7 +353,8 @@ def console_summary(summary: dict) -> str:
         "",
         "=" * 78,
         "lit_rlhf demo summary",
-        f"  machine                        {summary['machine']['cpu']}, {summary['machine']['threads']} threads",
+        f"  machine                        {summary['machine']['cpu']}"
+        f" ({' '.join(summary['machine'].get('cpu_features', []))}), {summary['machine']['threads']} threads",
         f"  RM held-out accuracy vs gold   {summary['rm_val_accuracy']:.3f}",
         f"  SFT gold {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f},"
         f" grammatical {summary['sft_grammatical_rate']:.3f}",
