@@ -398,3 +398,29 @@ def test_kl_sweep_reports_a_point_per_coefficient_and_seed(small_run):
     points = {p["run"]: p for p in sweep["points"]}
     assert points["ppo_overoptimize_kl0.1"]["kl_ref"] != points["ppo_overoptimize_kl0.01"]["kl_ref"]
     assert "Over-optimisation sweep" in (out / "report.md").read_text()
+
+
+def test_sources_summary_by_hand():
+    """Lift in SFT std, holds (lift >= 1) and the floor (gold within 1 of -6), per source and seed."""
+    from lit_rlhf.demo import overoptimization
+    from lit_rlhf.demo.stages import StageRecord
+
+    def record(run, seed):
+        return StageRecord(run, "k", {"seed_everything": seed}, "", 0.0)
+
+    golds = {"ppo_overoptimize": -5.5, "ppo_overoptimize_seed1": 1.0, "ppo_overoptimize_ensemble": 3.0,
+             "ppo_overoptimize_ensemble_seed1": -4.9}  # fmt: skip
+    runs = {run: record(run, int(run.endswith("seed1"))) for run in golds}
+    runs["ppo_overoptimize_kl0.01_seed1"] = record("ppo_overoptimize_kl0.01_seed1", 1)  # a sweep run: no source
+    results = {"sft": {"summary": {"gold_mean": 0.0, "gold_std": 2.0}}}
+    for run, gold in golds.items():
+        results[run] = {"summary": {"gold_mean": gold, "kl_ref": 10.0, "grammatical_rate": 0.5}}
+    sources = overoptimization.sources_summary(results, runs)["overoptimize_sources"]
+    assert list(sources) == ["single", "finetune_ensemble"]
+    single, ensemble = sources["single"], sources["finetune_ensemble"]
+    assert [r["gold_lift"] for r in single["seeds"]] == [-2.75, 0.5]
+    assert [r["collapsed"] for r in single["seeds"]] == [True, False] and single["holds"] == 0
+    assert [r["gold_lift"] for r in ensemble["seeds"]] == [1.5, -2.45]
+    assert [r["holds"] for r in ensemble["seeds"]] == [True, False] and ensemble["collapsed"] == 0  # -4.9 > -5
+    assert ensemble["mean_gold_lift"] == pytest.approx(-0.475) and ensemble["min_gold_lift"] == -2.45
+    assert overoptimization.sources_summary(results, {"ppo_overoptimize": runs["ppo_overoptimize"]}) == {}

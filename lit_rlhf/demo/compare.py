@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, lift, target_point
+from lit_rlhf.demo.curves import KL_BUDGET, TARGET_LIFT, gold_lift, lift, target_point
 from lit_rlhf.demo.frontier import distance_to_frontier
 
 METRICS = (
@@ -44,13 +44,13 @@ def seed_figures(
     """The figures of one run: final evaluation ``summary`` against the SFT one, its curve, stage record,
     training peak-memory growth (``train_memory_mb``) and its gold minus the best-of-n frontier's at its KL
     (``frontier_points``, :mod:`lit_rlhf.demo.frontier`; None without them or beyond the frontier's KL)."""
-    gold_lift = (summary["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] else None
+    lift_sft = gold_lift(summary, sft)
     target = target_point(points)
     figures = {
         "seed": seed,
         "run": run,
         "gold_mean": summary["gold_mean"],
-        "gold_lift_sft_std": gold_lift,
+        "gold_lift_sft_std": lift_sft,
         "kl_ref": summary["kl_ref"],
         "grammatical_rate": summary["grammatical_rate"],
         "time_to_target_s": None if target is None else target["seconds"],
@@ -66,8 +66,8 @@ def seed_figures(
         "curve_prompts": points[0]["n_prompts"],
     }
     figures["meets_target"] = bool(
-        gold_lift is not None
-        and gold_lift >= TARGET_LIFT
+        lift_sft is not None
+        and lift_sft >= TARGET_LIFT
         and summary["kl_ref"] <= KL_BUDGET
         and summary["grammatical_rate"] >= MIN_GRAMMATICAL_RATE
     )

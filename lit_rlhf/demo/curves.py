@@ -24,16 +24,19 @@ TARGET_LIFT = 2.0
 KL_BUDGET = 4.0
 
 
+def gold_lift(summary: dict, base: dict) -> float | None:
+    """``summary``'s gold mean above ``base``'s in standard deviations of ``base``'s gold (None when ``base``'s
+    gold has no spread, e.g. the miniature SFT policy that writes no grammatical review)."""
+    return (summary["gold_mean"] - base["gold_mean"]) / base["gold_std"] if base["gold_std"] else None
+
+
 def lift(points: list[dict]) -> list[float | None]:
     """Gold lift of each point in standard deviations of the first point's gold (the initial policy's).
 
     All points are measured on the same prompts with the same sampling seed, so the difference to the
     first point is paired. None everywhere when the first point's gold has no spread.
     """
-    first = points[0]
-    if not first["gold_std"]:
-        return [None] * len(points)
-    return [(p["gold_mean"] - first["gold_mean"]) / first["gold_std"] for p in points]
+    return [gold_lift(p, points[0]) for p in points]
 
 
 def target_point(

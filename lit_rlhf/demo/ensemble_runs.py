@@ -52,8 +52,8 @@ def source_runs(runs: dict) -> dict[str, dict[int, str]]:
     """source -> {seed: run} of the runs of ``runs`` (names to records) that belong to a source."""
     found: dict[str, dict[int, str]] = {}
     for name, record in runs.items():
+        seed = record.config.get("seed_everything", 0)
         for source in SOURCES:
-            seed = record.config.get("seed_everything", 0)
             if name == run_name(source, seed):
                 found.setdefault(source, {})[seed] = name
     return found

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lit_rlhf.demo.curves import overoptimization_shape
+from lit_rlhf.demo.curves import gold_lift, overoptimization_shape
 from lit_rlhf.demo.ensemble_runs import PRETRAIN_MANIFEST, source_runs
 from lit_rlhf.demo.world import UNGRAMMATICAL_REWARD
 
@@ -69,8 +69,7 @@ def sources_summary(results: dict, runs: dict) -> dict[str, Any]:
         rows = []
         for seed, run in sorted(seeds.items()):
             final = results[run]["summary"]
-            # no SFT spread (the miniature's SFT policy writes no grammatical review): no lift
-            lift = (final["gold_mean"] - sft["gold_mean"]) / sft["gold_std"] if sft["gold_std"] > 0 else None
+            lift = gold_lift(final, sft)
             rows.append({"seed": seed, "run": run, "gold_mean": final["gold_mean"], "gold_lift": lift,
                          "kl_ref": final["kl_ref"], "grammatical_rate": final["grammatical_rate"],
                          "holds": lift is not None and lift >= HOLDS_SFT_STD,

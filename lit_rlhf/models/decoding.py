@@ -119,13 +119,11 @@ def cached_autocast_casts(model: nn.Module) -> Iterator[bool]:
         Whether the nested, caching region is open.
     """
     param = next(model.parameters(), None)
-    device_type = param.device.type if param is not None else "cpu"
-    head = getattr(model, "get_output_embeddings", lambda: None)() or model
     if (
         param is None
-        or not torch.is_autocast_enabled(device_type)
+        or not torch.is_autocast_enabled(device_type := param.device.type)
         or torch.is_autocast_cache_enabled()
-        or _sharded(model, head)
+        or _sharded(model, model)  # any DTensor parameter, or an FSDP1/FSDP2 module
     ):
         yield False
         return
