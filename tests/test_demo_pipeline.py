@@ -424,3 +424,50 @@ def test_sources_summary_by_hand():
     assert [r["holds"] for r in ensemble["seeds"]] == [True, False] and ensemble["collapsed"] == 0  # -4.9 > -5
     assert ensemble["mean_gold_lift"] == pytest.approx(-0.475) and ensemble["min_gold_lift"] == -2.45
     assert overoptimization.sources_summary(results, {"ppo_overoptimize": runs["ppo_overoptimize"]}) == {}
+
+
+def test_aggregation_study_reruns_the_ensemble_run_per_source(small_run):
+    """Each source's run is the pipeline's own where they coincide (same config, seed, threads: same policy)."""
+    from lit_rlhf.demo import aggregation_study
+
+    out, summary, _ = small_run
+    argv = ["--out", str(out), "--small", "--threads", "1", "--seeds", "1",
+            "--sources", "single,finetune:mean_minus_std,union:min"]  # fmt: skip
+    study = aggregation_study.main(argv)
+    assert list(study) == ["single", "finetune_mean_minus_std_1", "union_min"]
+    assert study["single"]["seeds"][0]["gold_mean"] == summary["overoptimize_gold_mean"]
+    assert study["finetune_mean_minus_std_1"]["seeds"][0]["gold_mean"] == summary["overoptimize_ensemble_gold_mean"]
+    union = json.loads((out / "aggregation_study" / "union" / "ensemble.json").read_text())
+    assert len(union["members"]) == 6 and all(Path(m).is_dir() for m in union["members"])
+    config = yaml.safe_load((out / "aggregation_study" / "configs" / "union_min_t1_seed0.yaml").read_text())
+    init = config["model"]["init_args"]
+    assert init["reward_model"] == {"ensemble": str(out / "aggregation_study" / "union"), "aggregation": "min"}
+    assert init["kl"] == {"coef": 0.001} and config["seed_everything"] == 0
+    scalars = report.read_scalars(out / "aggregation_study" / "tb" / "union_min_t1_seed0")
+    assert {"rollout/ensemble_std", "rollout/reward/member_5"} <= set(scalars)
+    for entry in study.values():
+        assert entry["collapsed"] == sum(r["collapsed"] for r in entry["seeds"])
+    assert json.loads((out / "aggregation_study" / "study_t1.json").read_text()) == json.loads(json.dumps(study))
+    assert aggregation_study.main([*argv, "--reuse"]) == study  # nothing retrained, the same evaluations
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [("bogus", "members must be one of"), ("finetune", "MEMBERS:AGGREGATION"), ("union:median", "AGGREGATION one of"),
+     ("pretrain:mean_minus_std:x", "COEF must be a number")],
+)  # fmt: skip
+def test_aggregation_study_bad_sources_are_usage_errors(sources, message, tmp_path, capsys):
+    from lit_rlhf.demo import aggregation_study
+
+    with pytest.raises(SystemExit) as exit_info:
+        aggregation_study.main(["--out", str(tmp_path), "--threads", "1", "--sources", sources])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_aggregation_study_needs_an_ensemble_demo_folder(tmp_path, capsys):
+    from lit_rlhf.demo import aggregation_study
+
+    with pytest.raises(SystemExit) as exit_info:
+        aggregation_study.main(["--out", str(tmp_path), "--threads", "1"])
+    assert exit_info.value.code == 2
+    assert "no report.json, rm_weak_ensemble, rm_weak_pretrain_ensemble" in capsys.readouterr().err

@@ -56,24 +56,29 @@ def summary_fields(results: dict, curves: dict) -> dict[str, Any]:
     return fields
 
 
+def final_policy(final: dict, sft: dict) -> dict[str, Any]:
+    """A final policy's evaluation ``final`` against the SFT policy's ``sft``: gold, its lift in SFT standard
+    deviations, KL, grammatical rate, whether it holds (at least SFT + ``HOLDS_SFT_STD`` std) and whether it
+    collapsed (a gold within ``FLOOR_MARGIN`` of the world's floor)."""
+    lift = gold_lift(final, sft)
+    return {"gold_mean": final["gold_mean"], "gold_lift": lift, "kl_ref": final["kl_ref"],
+            "grammatical_rate": final["grammatical_rate"], "holds": lift is not None and lift >= HOLDS_SFT_STD,
+            "collapsed": final["gold_mean"] <= UNGRAMMATICAL_REWARD + FLOOR_MARGIN}  # fmt: skip
+
+
 def sources_summary(results: dict, runs: dict) -> dict[str, Any]:
-    """``overoptimize_sources``: per reward source, every seed's final policy (gold, its lift in SFT standard
-    deviations, KL, grammatical rate; whether it holds, at least SFT + ``HOLDS_SFT_STD`` std, and whether it
-    collapsed, within ``FLOOR_MARGIN`` of the world's floor) and the counts; empty without ``--ensemble``."""
+    """``overoptimize_sources``: per reward source, every seed's :func:`final_policy` and the counts; empty
+    without ``--ensemble``."""
     found = source_runs(runs)
     if len(found) < 2 or "sft" not in results:
         return {}
     sft = results["sft"]["summary"]
     out = {}
     for source, seeds in found.items():
-        rows = []
-        for seed, run in sorted(seeds.items()):
-            final = results[run]["summary"]
-            lift = gold_lift(final, sft)
-            rows.append({"seed": seed, "run": run, "gold_mean": final["gold_mean"], "gold_lift": lift,
-                         "kl_ref": final["kl_ref"], "grammatical_rate": final["grammatical_rate"],
-                         "holds": lift is not None and lift >= HOLDS_SFT_STD,
-                         "collapsed": final["gold_mean"] <= UNGRAMMATICAL_REWARD + FLOOR_MARGIN})  # fmt: skip
+        rows = [
+            {"seed": seed, "run": run, **final_policy(results[run]["summary"], sft)}
+            for seed, run in sorted(seeds.items())
+        ]
         lifts = [r["gold_lift"] for r in rows if r["gold_lift"] is not None]
         mean, low = (sum(lifts) / len(lifts), min(lifts)) if len(lifts) == len(rows) else (None, None)
         out[source] = {"seeds": rows, "mean_gold_lift": mean, "min_gold_lift": low,

@@ -103,7 +103,8 @@ class _FusedHeadScores(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, H)
         low_precision = weight.dtype not in (torch.float32, torch.float64)
         acc_dtype = torch.float32 if low_precision else weight.dtype
-        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        # written by the first chunk's product, accumulated into by the others: no (V, H) zero fill
+        grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if need_bias else None
         start = 0
         for i, h in enumerate(hidden.split(tokens_per_chunk)):
@@ -117,7 +118,9 @@ class _FusedHeadScores(torch.autograd.Function):
             grad_logits = grad_z.to(weight.dtype)  # (n, V)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])  # (n, H)
-            if grad_weight is not None:
+            if grad_weight is not None and i == 0:
+                torch.mm(grad_logits.t().to(acc_dtype), h.to(acc_dtype), out=grad_weight)  # (V, H)
+            elif grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t().to(acc_dtype), h.to(acc_dtype))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(acc_dtype)  # (V,)
