@@ -7,9 +7,9 @@
 2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<run>.yaml``, where each config is
    ``configs/demo/<stage>.yaml`` with its ``runs/demo/`` paths moved under ``OUT`` (and, with ``--small``,
    tiny sizes; see :mod:`lit_rlhf.demo.stages`): SFT from scratch; the reward model from the SFT export;
-   then each algorithm of ``--algorithms`` (registry :data:`ALGORITHMS`) from the SFT policy against the
-   same proxy reward model, once per training seed of ``--seeds``, each in its own process (its peak
-   memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its gold reward on
+   then each algorithm of ``--algorithms`` (registry :data:`~lit_rlhf.demo.algorithms.ALGORITHMS`) from
+   the SFT policy against the same proxy reward model, once per training seed of ``--seeds``, each in its
+   own process (its peak memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its gold reward on
    held-out prompts during the fit; then the weak reward model and the over-optimisation PPO run;
 3. evaluates the SFT policy and every trained policy on the held-out evaluation prompts and the reward
    models on the held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`), and the
@@ -17,9 +17,8 @@
 4. writes ``OUT/report.md``, ``OUT/report.json``, ``OUT/samples.md`` and PNG plots
    (:mod:`lit_rlhf.demo.report`, :mod:`lit_rlhf.demo.compare`); TensorBoard logs stay in ``OUT/tb``.
 
-Adding an algorithm to the side-by-side is writing ``configs/demo/<name>.yaml`` (a fit from
-``runs/demo/sft`` against ``runs/demo/rm``, with an HFExport callback) and one :data:`ALGORITHMS` entry.
-The run of seed 0 is named after the algorithm (``OUT/ppo``, ``tb/ppo``), seed s > 0 ``<name>_seed<s>``.
+Adding an algorithm to the side-by-side is writing ``configs/demo/<name>.yaml`` and one entry of
+:data:`lit_rlhf.demo.algorithms.ALGORITHMS` (see :mod:`lit_rlhf.demo.algorithms`).
 
 The reward over-optimisation run (Gao et al. 2022; skipped with ``--no-overoptimize``) adds a weaker
 proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
@@ -42,59 +41,27 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from lit_rlhf.callbacks import check_output_folder  # noqa: E402
 from lit_rlhf.demo import assets, ensemble_runs, evaluate, frontier, kl_sweep, report  # noqa: E402
+from lit_rlhf.demo.algorithms import (  # noqa: E402
+    ALGORITHMS,
+    DEFAULT_ALGORITHMS,
+    algorithm_config,
+    check_online_configs,
+    parse_algorithms,
+)
 from lit_rlhf.demo.evaluate import EVAL_MAX_NEW_TOKENS, EVAL_TEMPERATURE  # noqa: E402
-from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config, name_run  # noqa: E402
+from lit_rlhf.demo.stages import StageRecord, StageRunner, export_dir, load_config  # noqa: E402
 
 # Asset sizes of the full demo (see assets.build_assets); --small uses assets.SMALL.
 FULL_ASSETS = dict(n_sft=80_000, n_prompts=16_384, n_pref_prompts=4_000, completions_per_prompt=4, n_eval_prompts=1_024)
-CURVE_PROMPTS = 256  # held-out prompts per gold-curve point (the first ones of prompts_eval.jsonl)
 # the best-of-n frontier: FRONTIER_N samples of the SFT policy on each of the first FRONTIER_PROMPTS
 # evaluation prompts (--small: SMALL_FRONTIER of each)
 FRONTIER_PROMPTS, FRONTIER_N, SMALL_FRONTIER = 64, 64, (8, 8)
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """How the pipeline runs and reads one algorithm of ``configs/demo/<name>.yaml``.
-
-    Attributes:
-        policy_subdir: folder of the trained policy inside the config's HFExport ``dirpath`` ("" = itself).
-        policy_attribute: attribute of the LightningModule holding the trained policy (for the gold curve).
-        online: samples its training responses; the online algorithms of one run must sample as many
-            (``max_rollouts`` x prompts per rollout x ``generation.num_samples``) at the evaluation's temperature.
-        seed_args: ``model.init_args`` set to the training seed, besides ``seed_everything``.
-        curve_every: training steps between two points of the gold curve.
-        config: name of its config in ``configs/demo`` when it is not the algorithm's name.
-    """
-
-    policy_subdir: str = ""
-    policy_attribute: str = "policy"
-    online: bool = True
-    seed_args: tuple[str, ...] = ()
-    curve_every: int = 4
-    config: str | None = None
-
-
-# One entry per configs/demo/<name>.yaml run side by side. An online algorithm sets `online`, its policy
-# attribute and its seed arguments; an offline one (a DPO fit on the RM's preference pairs) `online=False`
-# and a `curve_every` in its own optimiser steps.
-ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
-    "grpo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
-    "rloo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
-    "reinforce_pp": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
-    "dpo": Algorithm(policy_subdir="", policy_attribute="model", online=False, curve_every=10),
-    "online_dpo": Algorithm(policy_subdir="actor", policy_attribute="actor", seed_args=("rng_seed",), curve_every=4),
-}
-# `make demo` (under 15 min from a fresh clone on an idle 2-core CPU): PPO, GRPO and DPO; the rest by flag.
-DEFAULT_ALGORITHMS = ("ppo", "grpo", "dpo")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -127,16 +94,6 @@ def parse_kl_sweep(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def parse_algorithms(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALGORITHMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"--algorithms: unknown {unknown or text!r}; registered: {', '.join(ALGORITHMS)}"
-        )
-    return list(dict.fromkeys(names))
-
-
 def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
     """The demo assets in ``folder``, built unless a manifest with the same arguments is there."""
     sizes = dict(assets.SMALL) if small else dict(FULL_ASSETS)
@@ -150,58 +107,6 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
     print(f"=== assets: building {folder}", flush=True)
     assets.build_assets(folder, seed=seed, **sizes)
     return json.loads(manifest_path.read_text())
-
-
-def algorithm_config(name: str, seed: int, out: Path, small: bool) -> tuple[str, dict]:
-    """Run name and config of algorithm ``name`` with training seed ``seed``, with its gold curve."""
-    algorithm = ALGORITHMS[name]
-    config = load_config(algorithm.config or name, out, small)
-    run = name if seed == 0 else f"{name}_seed{seed}"
-    name_run(config, run, seed, algorithm.seed_args, out)
-    callbacks = config["trainer"]["callbacks"]
-    curve = {
-        "prompts_path": str(out / "assets" / "prompts_eval.jsonl"),
-        "reference": str(out / "sft"),
-        "output": str(out / "curves" / f"{run}.json"),
-        "every_n_steps": 1 if small else algorithm.curve_every,
-        "num_prompts": assets.SMALL["n_eval_prompts"] if small else CURVE_PROMPTS,
-        "policy_attribute": algorithm.policy_attribute,
-        "max_new_tokens": EVAL_MAX_NEW_TOKENS,
-        "temperature": EVAL_TEMPERATURE,
-    }
-    callbacks.append({"class_path": "lit_rlhf.demo.curves.GoldCurve", "init_args": curve})
-    # After GoldCurve: its evaluation models are loaded before the training peak is measured from.
-    memory = {"output": str(out / "memory" / f"{run}.json")}
-    callbacks.append({"class_path": "lit_rlhf.callbacks.PeakMemory", "init_args": memory})
-    return run, config
-
-
-def check_online_configs(configs: dict[str, dict], max_response_tokens: int) -> None:
-    """Online algorithms sample as many responses, at the evaluation's temperature, long enough.
-
-    ``configs`` maps the name of each config in ``configs/demo`` (as the error messages say) to its content.
-    """
-    counts = {}
-    for name, config in configs.items():
-        init = config["model"]["init_args"]
-        generation = init.get("generation", {})
-        where = f"configs/demo/{name}.yaml"
-        if generation.get("max_new_tokens", 0) < max_response_tokens:
-            raise ValueError(
-                f"{where}: generation.max_new_tokens={generation.get('max_new_tokens')} is below the longest"
-                f" grammatical response ({max_response_tokens} tokens with its EOS)"
-            )
-        if generation.get("temperature") != EVAL_TEMPERATURE:
-            raise ValueError(
-                f"{where}: generation.temperature={generation.get('temperature')}: the demo samples and"
-                f" measures KL at {EVAL_TEMPERATURE} (evaluate.EVAL_TEMPERATURE)"
-            )
-        if not init.get("max_rollouts"):
-            raise ValueError(f"{where}: an online algorithm of the demo sets model.init_args.max_rollouts")
-        per_prompt = generation.get("num_samples", 1)
-        counts[name] = init["max_rollouts"] * config["data"]["init_args"]["batch_size"] * per_prompt
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"the online algorithms must sample as many responses; they sample {counts}")
 
 
 def run_stages(
