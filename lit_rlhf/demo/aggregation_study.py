@@ -15,8 +15,8 @@ the proxy), so its lifts compare with the report's ``overoptimize_sources``. A s
 
 Runs go to ``OUT/aggregation_study/<source>_t<threads>_seed<s>`` (``--reuse`` keeps finished ones, by
 ``OUT/aggregation_study/stages.json``); the table of lift in SFT standard deviations / KL / grammatical rate
-and the hold and floor counts of :func:`lit_rlhf.demo.overoptimization.sources_summary` go to the console and
-to ``OUT/aggregation_study/study_t<threads>.json``.
+and the hold and floor counts (:func:`lit_rlhf.demo.overoptimization.final_policy`, as the report's
+``overoptimize_sources``) go to the console and to ``OUT/aggregation_study/study_t<threads>.json``.
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ def run_study(
     report = json.loads((out / "report.json").read_text())
     sft = {"gold_mean": report["sft_gold_mean"], "gold_std": report["sft_gold_std"]}
     runner = StageRunner(out / STUDY, reuse=reuse)
+    # the keys of the pipeline's stages the runs read: --reuse retrains after any of them was retrained
+    recorded = json.loads((out / "stages.json").read_text()) if (out / "stages.json").exists() else {}
+    inputs = ("sft", "rm_weak", "rm_weak_ensemble", *[f"rm_weak_sft{k}" for k in PRETRAIN_MEMBER_SEEDS])
+    salt = f"threads={threads} " + " ".join(recorded.get(name, {}).get("key", "") for name in inputs)
     if any(members == "union" for members, *_ in sources):
         write_union_manifest(out)
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
@@ -110,7 +114,7 @@ def run_study(
             run = f"{name}_t{threads}_seed{seed}"
             config = name_run(config, run, seed, ("rng_seed",), out / STUDY)
             config["trainer"]["logger"]["init_args"]["save_dir"] = str(out / STUDY / "tb")
-            runner.fit(run, config, salt=f"threads={threads}")
+            runner.fit(run, config, salt=salt)
             samples = evaluate.sample_policy(
                 Path(export_dir(config)) / "actor", prompts, generation, reference_dir=out / "sft",
                 reward_model_dir=out / "rm_weak", batch_size=64 if small else 256,
@@ -152,7 +156,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--sources", default=DEFAULT_SOURCES, help=f"comma-separated (default {DEFAULT_SOURCES})"
     )
-    parser.add_argument("--seeds", type=parse_seeds, default=[0, 1, 2], help="the number of seeds (0..N-1)")
+    parser.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        default=[0, 1, 2],
+        help="training seeds: a count N (0..N-1) or a list 0,3,7 (default 3)",
+    )
     parser.add_argument("--threads", type=parse_threads, required=True, help="torch CPU threads (say which: "
                         "the runs depend on it)")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="the folder is a `--small` pipeline run")
