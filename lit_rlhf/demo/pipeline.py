@@ -9,8 +9,9 @@
    tiny sizes; see :mod:`lit_rlhf.demo.stages`): SFT from scratch; the reward model from the SFT export;
    then each algorithm of ``--algorithms`` (registry :data:`~lit_rlhf.demo.algorithms.ALGORITHMS`) from
    the SFT policy against the same proxy reward model, once per training seed of ``--seeds``, each in its
-   own process (its peak memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its gold reward on
-   held-out prompts during the fit; then the weak reward model and the over-optimisation PPO run;
+   own process (its peak memory is measured) with a :class:`~lit_rlhf.demo.curves.GoldCurve` recording its
+   gold reward on held-out prompts during the fit; then the weak reward model and the over-optimisation
+   PPO run;
 3. evaluates the SFT policy and every trained policy on the held-out evaluation prompts and the reward
    models on the held-out pairs, against the gold reward (:mod:`lit_rlhf.demo.evaluate`), and the
    best-of-n frontier of the SFT policy under the proxy reward model (:mod:`lit_rlhf.demo.frontier`);
