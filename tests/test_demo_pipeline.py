@@ -426,7 +426,7 @@ def test_sources_summary_by_hand():
     assert overoptimization.sources_summary(results, {"ppo_overoptimize": runs["ppo_overoptimize"]}) == {}
 
 
-def test_aggregation_study_reruns_the_ensemble_run_per_source(small_run):
+def test_aggregation_study_reruns_the_ensemble_run_per_source(small_run, capsys):
     """Each source's run is the pipeline's own where they coincide (same config, seed, threads: same policy)."""
     from lit_rlhf.demo import aggregation_study
 
@@ -448,7 +448,9 @@ def test_aggregation_study_reruns_the_ensemble_run_per_source(small_run):
     for entry in study.values():
         assert entry["collapsed"] == sum(r["collapsed"] for r in entry["seeds"])
     assert json.loads((out / "aggregation_study" / "study_t1.json").read_text()) == json.loads(json.dumps(study))
+    capsys.readouterr()
     assert aggregation_study.main([*argv, "--reuse"]) == study  # nothing retrained, the same evaluations
+    assert capsys.readouterr().out.count("reusing the run recorded") == 3
 
 
 @pytest.mark.parametrize(
