@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lit_rlhf.demo import evaluate
 from lit_rlhf.demo.ensemble_runs import PRETRAIN_MANIFEST, PRETRAIN_MEMBER_SEEDS
-from lit_rlhf.demo.overoptimization import final_policy
+from lit_rlhf.demo.overoptimization import final_policy, source_entry
 from lit_rlhf.demo.stages import StageRunner, export_dir, load_config, name_run
 from lit_rlhf.ensembles import ENSEMBLE_AGGREGATIONS, write_ensemble_manifest
 
@@ -89,7 +89,7 @@ def reward_model(out: Path, members: str, aggregation: str | None, coef: float |
 def run_study(
     out: Path, sources: list[tuple], seeds: list[int], threads: int, small: bool, reuse: bool
 ) -> dict:
-    """Fit and evaluate every source for every seed; {source: {"seeds": [...], "holds", "collapsed"}}."""
+    """Fit and evaluate every source for every seed; {source: :func:`~lit_rlhf.demo.overoptimization.source_entry`}."""
     report = json.loads((out / "report.json").read_text())
     sft = {"gold_mean": report["sft_gold_mean"], "gold_std": report["sft_gold_std"]}
     runner = StageRunner(out / STUDY, reuse=reuse)
@@ -120,11 +120,7 @@ def run_study(
                 reward_model_dir=out / "rm_weak", batch_size=64 if small else 256,
             )  # fmt: skip
             rows.append({"seed": seed, "run": run, **final_policy(evaluate.summarize(samples), sft)})
-        study[name] = {
-            "seeds": rows,
-            "holds": sum(r["holds"] for r in rows),
-            "collapsed": sum(r["collapsed"] for r in rows),
-        }
+        study[name] = source_entry(rows)
     return study
 
 

@@ -79,11 +79,17 @@ def sources_summary(results: dict, runs: dict) -> dict[str, Any]:
             {"seed": seed, "run": run, **final_policy(results[run]["summary"], sft)}
             for seed, run in sorted(seeds.items())
         ]
-        lifts = [r["gold_lift"] for r in rows if r["gold_lift"] is not None]
-        mean, low = (sum(lifts) / len(lifts), min(lifts)) if len(lifts) == len(rows) else (None, None)
-        out[source] = {"seeds": rows, "mean_gold_lift": mean, "min_gold_lift": low,
-                       "holds": sum(r["holds"] for r in rows), "collapsed": sum(r["collapsed"] for r in rows)}  # fmt: skip
+        out[source] = source_entry(rows)
     return {"overoptimize_sources": out}
+
+
+def source_entry(rows: list[dict]) -> dict[str, Any]:
+    """One reward source's :func:`final_policy` rows (one per seed) with their mean and lowest lift (None
+    unless every row has one) and how many hold and collapsed."""
+    lifts = [r["gold_lift"] for r in rows if r["gold_lift"] is not None]
+    mean, low = (sum(lifts) / len(lifts), min(lifts)) if len(lifts) == len(rows) else (None, None)
+    return {"seeds": rows, "mean_gold_lift": mean, "min_gold_lift": low,
+            "holds": sum(r["holds"] for r in rows), "collapsed": sum(r["collapsed"] for r in rows)}  # fmt: skip
 
 
 def plot_runs(curves: dict, path: Path) -> None:
