@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule
 
 from lit_rlhf import functional as F
 from lit_rlhf.guards import check_finite_weights
+from lit_rlhf.models.embedding_grads import EmbeddingGradAccumulator
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm
 from lit_rlhf.modules.metrics import accumulate_stats
@@ -43,35 +44,46 @@ class OnlineUpdate(LightningModule):
         and, when an optimiser step was taken, syncs the actor's new weights. Returns the mean
         KL(old || new) of the last epoch.
         """
-        update = self.update
         params = [p for opt, _ in optimized for group in opt.param_groups for p in group["params"]]
-        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
         stepped = False
         self.engine.sleep()
-        for _ in range(update.epochs):
-            epoch_kl = []
-            for mb in self.buffer.minibatches():
-                stats = self.accumulate_minibatch(loss_fn, mb)
-                skip = update.ratio_threshold is not None and bool(stats["ratio_mean"] > update.ratio_threshold)
-                finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
-                if finite and not skip:
-                    for opt, model in optimized:
-                        if update.max_grad_norm is not None:
-                            clip_grad_norm(self, opt, model, update.max_grad_norm)
-                        opt.step()
-                    stepped = True
-                for opt, _ in optimized:
-                    opt.zero_grad(set_to_none=True)
-                self.update_metrics.update(
-                    {**stats, "skipped_minibatches": float(skip), "nonfinite_steps": float(not finite)}
-                )
-                epoch_kl.append(stats["policy_kl"])
+        # one process: the input embeddings' gradients accumulate row by row in place (models.embedding_grads)
+        embeddings = EmbeddingGradAccumulator([m for _, m in optimized], enabled=self.trainer.world_size == 1)
+        with embeddings:
+            for _ in range(self.update.epochs):
+                epoch_kl = []
+                for mb in self.buffer.minibatches():
+                    embeddings.attach()
+                    stats, took_step = self.minibatch_step(loss_fn, mb, optimized, params)
+                    stepped |= took_step
+                    epoch_kl.append(stats["policy_kl"])
         for _, model in optimized:
             check_finite_weights(model, f"rollout {self.rollouts_done + 1}: {type(model).__name__} after the update")
         self.engine.wake_up()
         if stepped:
             self.engine.sync_weights(self.actor)
         return torch.stack(epoch_kl).mean().item()
+
+    def minibatch_step(
+        self, loss_fn: LossFn, mb: Rollout, optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]],
+        params: list[torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """Accumulate minibatch ``mb``'s gradient, then step every optimiser unless the step is skipped or not
+        finite; the gradients are removed either way. Returns the minibatch's stats and whether it stepped."""
+        update = self.update
+        stats = self.accumulate_minibatch(loss_fn, mb)
+        skip = update.ratio_threshold is not None and bool(stats["ratio_mean"] > update.ratio_threshold)
+        reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
+        finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
+        if finite and not skip:
+            for opt, model in optimized:
+                if update.max_grad_norm is not None:
+                    clip_grad_norm(self, opt, model, update.max_grad_norm)
+                opt.step()
+        for opt, _ in optimized:
+            opt.zero_grad(set_to_none=True)
+        self.update_metrics.update({**stats, "skipped_minibatches": float(skip), "nonfinite_steps": float(not finite)})
+        return stats, finite and not skip
 
     def accumulate_minibatch(self, loss_fn: LossFn, mb: Rollout) -> dict[str, torch.Tensor]:
         """Backward of one minibatch's loss, micro-batch by micro-batch; returns its weighted stats."""

@@ -1,0 +1,173 @@
+"""Input-embedding gradients accumulated in place (lit_rlhf.models.embedding_grads): the same dense gradient
+as the plain backward, seen dense by everything that reads it, and only where it changes nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpt2_config, llama_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
+from torch import nn
+
+from lit_rlhf.models import embedding_grads
+from lit_rlhf.models.embedding_grads import EmbeddingGradAccumulator, accumulated_embeddings
+
+V, H = 50, 6
+
+
+@pytest.fixture
+def no_size_floor(monkeypatch):
+    """Every embedding is big enough (the tests' tables are tiny)."""
+    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
+
+
+class Tiny(nn.Module):
+    """An embedding, a linear layer on top; optionally tied (the linear layer reads the table)."""
+
+    def __init__(self, tied: bool = False, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H, padding_idx=padding_idx)
+        self.head = nn.Linear(H, V, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, L) -> scalar
+        return self.head(torch.tanh(self.embed(ids))).logsumexp(-1).pow(2).mean()
+
+
+def _grads(model: Tiny, micro_batches: list[torch.Tensor], accumulate: bool, steps: int = 1) -> list[torch.Tensor]:
+    """The embedding's gradient after each of ``steps`` optimiser steps' accumulations of ``micro_batches``."""
+    out = []
+    with EmbeddingGradAccumulator([model], enabled=accumulate) as acc:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            acc.attach()
+            for ids in micro_batches:
+                model(ids).backward()
+                assert not model.embed.weight.grad.is_sparse
+            out.append(model.embed.weight.grad.clone())
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 7)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    padding=st.booleans(),
+)
+def test_accumulated_gradient_equals_the_dense_backward(shapes, seed, padding):
+    embedding_grads.ACCUMULATE_MIN_ELEMENTS, saved = 0, embedding_grads.ACCUMULATE_MIN_ELEMENTS
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        batches = [torch.randint(0, V, shape, generator=gen) for shape in shapes]  # repeated ids included
+        torch.manual_seed(seed)
+        model = Tiny(padding_idx=0 if padding else None)
+        dense = _grads(model, batches, accumulate=False, steps=2)
+        rowwise = _grads(model, batches, accumulate=True, steps=2)
+        for a, b in zip(dense, rowwise):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        if padding:
+            assert torch.equal(rowwise[0][0], torch.zeros(H))
+        assert not model.embed.sparse
+    finally:
+        embedding_grads.ACCUMULATE_MIN_ELEMENTS = saved
+
+
+def test_one_dense_buffer_per_step_seen_dense_by_hooks(no_size_floor):
+    model = Tiny()
+    seen = []
+    model.embed.weight.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.is_sparse, id(p.grad))))
+    ids = torch.tensor([[1, 2, 2, 3]])
+    with EmbeddingGradAccumulator([model]) as acc:
+        assert model.embed.sparse
+        acc.attach()
+        first = model.embed.weight.grad
+        assert torch.equal(first, torch.zeros(V, H))
+        model(ids).backward()
+        model(ids).backward()
+        assert model.embed.weight.grad is first  # accumulated in place
+        assert seen == [(False, id(first))] * 2
+        model.zero_grad(set_to_none=True)
+        acc.attach()
+        assert model.embed.weight.grad is first and torch.equal(first, torch.zeros(V, H))  # zeroed, reused
+        model.embed.weight.grad = kept = torch.ones(V, H)
+        acc.attach()  # a gradient already there is left alone
+        assert model.embed.weight.grad is kept
+    assert not model.embed.sparse
+
+
+def test_a_backward_without_attach_is_dense_again_on_exit(no_size_floor):
+    model = Tiny()
+    with EmbeddingGradAccumulator([model]):
+        model(torch.tensor([[4, 5]])).backward()
+        assert model.embed.weight.grad.is_sparse
+    grad = model.embed.weight.grad
+    assert not grad.is_sparse and not model.embed.sparse
+    assert grad[4].abs().sum() > 0 and torch.equal(grad[6], torch.zeros(H))
+
+
+def test_an_error_inside_restores_the_dense_embedding(no_size_floor):
+    model = Tiny()
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmbeddingGradAccumulator([model]):
+            raise RuntimeError("boom")
+    assert not model.embed.sparse
+
+
+def test_only_where_it_changes_nothing_else(monkeypatch):
+    assert accumulated_embeddings(Tiny()) == []  # 300 elements: below the size floor
+    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
+    plain = Tiny()
+    assert accumulated_embeddings(plain) == [plain.embed]
+    assert accumulated_embeddings(Tiny(tied=True)) == []  # the tied head's gradient is dense
+    frozen = Tiny()
+    frozen.embed.weight.requires_grad_(False)
+    assert accumulated_embeddings(frozen) == []
+    own = Tiny()
+    own.embed.sparse = True  # the user's own sparse embedding: not ours to touch
+    assert accumulated_embeddings(own) == []
+    with EmbeddingGradAccumulator([own]) as acc:
+        acc.attach()
+        assert own.embed.weight.grad is None
+    assert own.embed.sparse
+    assert EmbeddingGradAccumulator([plain], enabled=False).embeddings == []
+    shared = EmbeddingGradAccumulator([plain, plain])  # one model listed twice (a shared backbone)
+    assert shared.embeddings == [plain.embed]
+
+
+def _trained(module, tokenizer_dir, tmp_path, name):
+    torch.manual_seed(0)
+    trainer(tmp_path / name, deterministic=False).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=8))
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_an_online_fit_trains_as_with_dense_gradients(algorithm, tokenizer_dir, tmp_path, monkeypatch):
+    """The same tiny fit with the accumulator on every embedding (actor, critic) and with none of them."""
+    attached = []
+    attach = EmbeddingGradAccumulator.attach
+    monkeypatch.setattr(
+        EmbeddingGradAccumulator, "attach", lambda self: (attached.append(len(self.embeddings)), attach(self))[1]
+    )
+
+    def build():
+        if algorithm == "ppo":
+            return tiny_ppo(tokenizer_dir, llama_config(), max_rollouts=2, update={"epochs": 2})
+        return tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2)
+
+    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 1 << 62)
+    dense = _trained(build(), tokenizer_dir, tmp_path, "dense")
+    assert attached and set(attached) == {0}
+    attached.clear()
+    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
+    module = build()
+    rowwise = _trained(module, tokenizer_dir, tmp_path, "rowwise")
+    # PPO on Llama: the actor's and the critic's token tables; GRPO on GPT-2: the position table (its token
+    # table is tied to the LM head)
+    assert attached and set(attached) == {2 if algorithm == "ppo" else 1}
+    assert all(not m.sparse for m in module.modules() if isinstance(m, nn.Embedding))
+    # AdamW (lr 1e-2) moves every weight by ~1e-2 a step: the rounding of the sums stays far below one step
+    for a, b in zip(dense, rowwise):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-3)
