@@ -145,29 +145,39 @@ def _trained(module, tokenizer_dir, tmp_path, name):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_an_online_fit_trains_as_with_dense_gradients(algorithm, tokenizer_dir, tmp_path, monkeypatch):
-    """The same tiny fit with the accumulator on every embedding (actor, critic) and with none of them."""
+    """The same tiny fit with every embedding (actor, critic) accumulated row by row and with
+    ``update.embedding_grads: dense``."""
+    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
     attached = []
     attach = EmbeddingGradAccumulator.attach
     monkeypatch.setattr(
         EmbeddingGradAccumulator, "attach", lambda self: (attached.append(len(self.embeddings)), attach(self))[1]
     )
 
-    def build():
+    def build(mode: str):
         if algorithm == "ppo":
-            return tiny_ppo(tokenizer_dir, llama_config(), max_rollouts=2, update={"epochs": 2})
-        return tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2)
+            return tiny_ppo(tokenizer_dir, llama_config(), max_rollouts=2, update={"epochs": 2, "embedding_grads": mode})
+        return tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2, update={"embedding_grads": mode})
 
-    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 1 << 62)
-    dense = _trained(build(), tokenizer_dir, tmp_path, "dense")
+    dense = _trained(build("dense"), tokenizer_dir, tmp_path, "dense")
     assert attached and set(attached) == {0}
     attached.clear()
-    monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
-    module = build()
+    module = build("auto")
+    before = [p.detach().clone() for p in module.parameters()]
     rowwise = _trained(module, tokenizer_dir, tmp_path, "rowwise")
     # PPO on Llama: the actor's and the critic's token tables; GRPO on GPT-2: the position table (its token
     # table is tied to the LM head)
     assert attached and set(attached) == {2 if algorithm == "ppo" else 1}
     assert all(not m.sparse for m in module.modules() if isinstance(m, nn.Embedding))
     # AdamW (lr 1e-2) moves every weight by ~1e-2 a step: the rounding of the sums stays far below one step
+    assert max((a - b).abs().max().item() for a, b in zip(before, rowwise)) > 1e-2
     for a, b in zip(dense, rowwise):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-3)
+
+
+def test_the_switch_is_checked():
+    from lit_rlhf.modules.online_settings import UpdateSettings
+
+    assert UpdateSettings().embedding_grads == "auto"
+    with pytest.raises(ValueError, match="update.embedding_grads must be one of"):
+        UpdateSettings(embedding_grads="sparse")

@@ -34,6 +34,8 @@ from lit_rlhf.modules.online_correction import ISCorrectionSettings
 from lit_rlhf.rollout import GenerationSettings
 from lit_rlhf.settings import Settings
 
+EMBEDDING_GRADS = ("auto", "dense")  # update.embedding_grads
+
 __all__ = [
     "AdvantageSettings",
     "CriticFreeUpdate",
@@ -79,6 +81,10 @@ class UpdateSettings(Settings):
             (``ISCorrectionSettings`` or a dict of its fields: ``mode`` auto, none, token_truncate,
             token_mask, sequence_truncate or sequence_mask, ``cap``, ``low``, ``sequence_ratio``); the default
             ``auto`` corrects (TIS, C = 2) only for an engine that is not the trainer's own policy.
+        embedding_grads: ``auto`` accumulates the input embeddings' gradients row by row, in place, into one
+            dense gradient per optimiser step where that changes nothing but the cost (one process, CPU,
+            untied tables of >= 2**20 weights; ``lit_rlhf.models.embedding_grads``); ``dense`` keeps the plain
+            backward's (V, H) gradient per micro-batch. Equal up to the order of float additions.
     """
 
     group: ClassVar[str] = "update"
@@ -94,6 +100,7 @@ class UpdateSettings(Settings):
     max_grad_norm: float | None = 1.0
     ratio_threshold: float | None = 10.0
     is_correction: ISCorrectionSettings | dict | None = None
+    embedding_grads: Literal["auto", "dense"] = "auto"
 
     def __post_init__(self) -> None:
         self.is_correction = ISCorrectionSettings.coerce(self.is_correction, "update.is_correction")
@@ -105,6 +112,7 @@ class UpdateSettings(Settings):
         self.require("ent_coef", self.ent_coef >= 0, ">= 0")
         self.require_choice("loss_aggregation", LOSS_AGGREGATIONS)
         self.require_choice("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
+        self.require_choice("embedding_grads", EMBEDDING_GRADS)
 
 
 @dataclass

@@ -48,7 +48,8 @@ class OnlineUpdate(LightningModule):
         stepped = False
         self.engine.sleep()
         # one process: the input embeddings' gradients accumulate row by row in place (models.embedding_grads)
-        embeddings = EmbeddingGradAccumulator([m for _, m in optimized], enabled=self.trainer.world_size == 1)
+        rowwise = self.update.embedding_grads == "auto" and self.trainer.world_size == 1
+        embeddings = EmbeddingGradAccumulator([m for _, m in optimized], enabled=rowwise)
         with embeddings:
             for _ in range(self.update.epochs):
                 epoch_kl = []
