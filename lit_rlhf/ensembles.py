@@ -20,7 +20,10 @@ with their spread as ``rollout/ensemble_std`` (see ``lit_rlhf.rewards.RewardSour
      "aggregation": "mean_minus_std", "coef": 1.0}
 
 ``members`` are folders relative to the manifest's (or absolute); ``aggregation`` and ``coef`` are the
-defaults a ``RewardEnsemble`` may override. Other keys (``seeds``, ``bootstrap``) record how it was trained.
+defaults a ``RewardEnsemble`` may override. An optional ``member_stats``, ``[{"mean": m, "std": s}, ...]`` (one
+per member: its scores' mean and standard deviation on a reference set such as held-out pairs), puts the
+members on one scale before they are aggregated (``functional.standardize_members``; ``normalize``). Other keys
+(``seeds``, ``bootstrap``) record how it was trained.
 """
 
 from __future__ import annotations
@@ -53,13 +56,32 @@ Aggregation = Literal["mean", "mean_minus_std", "mean_minus_var", "min"]
 
 
 class EnsembleMembers(NamedTuple):
-    """An ensemble resolved for building: the members' specs, the aggregation and its coefficient, and
-    where it came from (for messages)."""
+    """An ensemble resolved for building: the members' specs, the aggregation and its coefficient, where it
+    came from (for messages), and the members' (mean, std) reference statistics when they are standardised
+    before the aggregation (None: raw scores)."""
 
     members: list[ModelSpec]
     aggregation: str
     coef: float
     source: str
+    stats: list[tuple[float, float]] | None = None
+
+
+def check_member_stats(stats: Any, n_members: int, where: str) -> list[tuple[float, float]]:
+    """``[{"mean": m, "std": s}, ...]`` (one per member, finite, std > 0) as (mean, std) pairs."""
+    if not isinstance(stats, (list, tuple)) or len(stats) != n_members:
+        raise ValueError(
+            f"{where}: member_stats must be a list of {n_members} {{mean, std}} entries (one per member), "
+            f"got {stats!r:.200}"
+        )
+    out = []
+    for k, entry in enumerate(stats):
+        mean, std = (entry.get("mean"), entry.get("std")) if isinstance(entry, dict) else (None, None)
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (mean, std))
+        if not ok or std <= 0:
+            raise ValueError(f"{where}: member_stats[{k}] must be {{mean: finite, std: finite > 0}}, got {entry!r}")
+        out.append((float(mean), float(std)))
+    return out
 
 
 @dataclass
@@ -73,6 +95,11 @@ class RewardEnsemble(Settings):
             ``mean_minus_std`` (UWO with the standard deviation), ``mean_minus_var`` (UWO as Coste et al.
             2024, arXiv:2310.02743, sec. 3) or ``min`` (WCO); None = the folder's manifest's, or ``mean``.
         coef: lambda >= 0 of the ``mean_minus_*`` aggregations; None = the manifest's, or 1.0.
+        member_stats: each member's ``{mean, std}`` on a reference set (held-out pairs): None = the
+            manifest's, if any.
+        normalize: standardise the members with ``member_stats`` before aggregating
+            (``functional.standardize_members``: Bradley-Terry scores have arbitrary offsets, so raw members'
+            spread measures their offsets as much as their disagreement); None = whenever statistics are known.
     """
 
     group: ClassVar[str] = "reward_model"
@@ -80,6 +107,8 @@ class RewardEnsemble(Settings):
     ensemble: str | list[ModelSpec | dict | str]
     aggregation: Aggregation | None = None
     coef: float | None = None
+    member_stats: list[dict] | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
         members = self.ensemble
@@ -106,6 +135,24 @@ class RewardEnsemble(Settings):
             )
             self.require("coef", ok and self.coef >= 0, "a finite number >= 0 or None")
             self.coef = float(self.coef)
+        if self.normalize is not None:
+            self.require("normalize", isinstance(self.normalize, bool), "true, false or None")
+        if self.member_stats is not None and isinstance(self.ensemble, list):
+            check_member_stats(self.member_stats, len(self.ensemble), "reward_model")
+
+    def _stats(self, manifest_stats: Any, n_members: int, where: str) -> list[tuple[float, float]] | None:
+        """The (mean, std) of each member to standardise with, or None (raw scores)."""
+        given = self.member_stats if self.member_stats is not None else manifest_stats
+        if self.normalize is False:
+            return None
+        if given is None:
+            if self.normalize:
+                raise ValueError(
+                    f"reward_model.normalize: true needs each member's reference statistics, and {where} has "
+                    "none: give reward_model.member_stats [{mean, std}, ...] or write them into ensemble.json"
+                )
+            return None
+        return check_member_stats(given, n_members, where)
 
     def resolve(self) -> EnsembleMembers:
         """The members' specs (a folder's read from its manifest; each member takes the other fields of the
@@ -117,10 +164,13 @@ class RewardEnsemble(Settings):
             members = [dataclasses.replace(base, name_or_path=str(path)) for path in manifest["member_paths"]]
             aggregation = self.aggregation or manifest.get("aggregation", "mean")
             coef = self.coef if self.coef is not None else float(manifest.get("coef", 1.0))
-            return EnsembleMembers(members, aggregation, coef, str(self.ensemble))
+            where = str(Path(self.ensemble) / ENSEMBLE_MANIFEST)
+            stats = self._stats(manifest.get("member_stats"), len(members), where)
+            return EnsembleMembers(members, aggregation, coef, str(self.ensemble), stats)
         names = ", ".join(m.name_or_path or "(config)" for m in self.ensemble)
         coef = 1.0 if self.coef is None else self.coef
-        return EnsembleMembers(list(self.ensemble), self.aggregation or "mean", coef, f"[{names}]")
+        stats = self._stats(None, len(self.ensemble), "reward_model")
+        return EnsembleMembers(list(self.ensemble), self.aggregation or "mean", coef, f"[{names}]", stats)
 
 
 def is_ensemble_folder(path: str | Path | None) -> bool:
@@ -224,3 +274,33 @@ def check_member_tokenizers(tokenizers: list[Any], members: list[ModelSpec]) -> 
                 f"reward_model.ensemble[{i}] ({members[i].tokenizer_name_or_path}): its tokenizer differs from member"
                 f" 0's ({members[0].tokenizer_name_or_path}); an ensemble's members must share one tokenizer"
             )
+
+
+def reference_stats(members: list[str | Path], texts: list[str], batch_size: int = 64) -> list[dict[str, float]]:
+    """Each member's ``{mean, std}`` (population std) of its scores of ``texts`` (whole sequences, e.g. prompt +
+    response + EOS of held-out pairs, as the members score rollouts): the ``member_stats`` of ``ensemble.json``.
+
+    Raises:
+        ValueError: fewer than 2 texts, or a member whose scores are not finite or all equal.
+    """
+    import torch
+
+    from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores
+
+    if len(texts) < 2:
+        raise ValueError(f"reference_stats: needs at least 2 texts, got {len(texts)}")
+    stats = []
+    for member in members:
+        tokenizer = load_tokenizer(str(member))
+        model = build_score_model(ModelSpec(name_or_path=str(member)), tokenizer).eval()
+        scores = []
+        with torch.no_grad():
+            for start in range(0, len(texts), batch_size):
+                enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
+                scores.append(sequence_scores(model, enc["input_ids"], enc["attention_mask"]))  # (b,)
+        scores = torch.cat(scores)  # (N,)
+        mean, std = scores.mean().item(), scores.std(correction=0).item()
+        if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+            raise ValueError(f"reference_stats: member {member}: scores with mean {mean} and std {std}")
+        stats.append({"mean": mean, "std": std})
+    return stats

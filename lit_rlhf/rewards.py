@@ -174,10 +174,19 @@ class RewardSource(torch.nn.Module):
         )
         self.model_spec = members[0]
         coef = "" if self.ensemble.aggregation in ("mean", "min") else f", coef {self.ensemble.coef:g}"
+        scale = ", standardised members" if self.ensemble.stats is not None else ""
         self.description = (
-            f"reward_model ensemble of {len(members)} ({self.ensemble.aggregation}{coef}) {self.ensemble.source}"
+            f"reward_model ensemble of {len(members)} ({self.ensemble.aggregation}{coef}{scale}) {self.ensemble.source}"
         )
         return tokenizers[0]
+
+    def common_scale(self, scores: torch.Tensor) -> torch.Tensor:
+        """(K, B) member scores -> the same on one scale (``functional.standardize_members``) where the ensemble
+        has reference statistics and normalises; else unchanged."""
+        if self.ensemble is None or self.ensemble.stats is None:
+            return scores
+        means, stds = torch.tensor(self.ensemble.stats, dtype=torch.float32).T  # (K,), (K,)
+        return F.standardize_members(scores, means, stds)  # (K, B)
 
     @property
     def part_names(self) -> list[str]:
@@ -222,8 +231,8 @@ class RewardSource(torch.nn.Module):
         """
         if self.members is not None:
             scores = self.model_scores(input_ids, attention_mask, response_length, chunk_size)  # (K, B)
-            total = F.aggregate_ensemble(scores, self.ensemble.aggregation, self.ensemble.coef)  # (B,)
-            return total, dict(zip(self.part_names, scores))
+            total = F.aggregate_ensemble(self.common_scale(scores), self.ensemble.aggregation, self.ensemble.coef)
+            return total, dict(zip(self.part_names, scores))  # the members' raw scores
         if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
             return torch.zeros(input_ids.shape[0], device=input_ids.device), {}
         if self.fn is None and not self.terms:

@@ -161,3 +161,50 @@ def test_kl_regularized_scores_by_hand_and_the_pairs_they_give():
         F.kl_regularized_scores(scores, kl, -0.1)
     with pytest.raises(ValueError, match="kl_regularized_scores"):
         F.kl_regularized_scores(scores, kl[:3], 0.5)
+
+
+def test_standardised_members_by_hand():
+    # member 1 is member 0 shifted by 9 and scaled by 10: standardised, the two agree exactly
+    scores = torch.tensor([[1.0, 3.0], [10.0, 30.0]])  # (K=2, B=2)
+    out = F.standardize_members(scores, torch.tensor([2.0, 20.0]), torch.tensor([1.0, 10.0]))
+    # z = [[-1, 1], [-1, 1]]; back to the members' mean mean 11 and mean std 5.5
+    torch.testing.assert_close(out, torch.tensor([[5.5, 16.5], [5.5, 16.5]]))
+    assert torch.equal(F.ensemble_std(out), torch.zeros(2))
+    # raw, their spread is mostly the offset between them
+    torch.testing.assert_close(F.ensemble_std(scores), torch.tensor([4.5, 13.5]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    K=st.integers(1, 5),
+    B=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    shift=st.floats(-50, 50),
+    scale=st.floats(0.1, 10),
+)
+def test_standardised_members_ignore_each_members_offset_and_scale(K, B, seed, shift, scale):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(K, B, generator=gen)
+    means, stds = torch.randn(K, generator=gen), torch.rand(K, generator=gen) + 0.5
+    base = F.standardize_members(scores, means, stds)
+    # members with equal statistics are left as they are
+    same = F.standardize_members(scores, means.new_full((K,), 0.3), stds.new_full((K,), 1.7))
+    torch.testing.assert_close(same, scores, rtol=1e-5, atol=1e-5)
+    # a member moved by any affine map, its statistics with it: its standard units are unchanged
+    offsets = torch.randn(K, generator=gen) * shift
+    moved = F.standardize_members(scores * scale + offsets[:, None], means * scale + offsets, stds * scale)
+    z, z_moved = (base - base.mean()) / stds.mean(), (moved - moved.mean()) / (stds * scale).mean()
+    torch.testing.assert_close(z_moved, z, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("means", "stds", "message"),
+    [
+        ([0.0], [1.0, 1.0], r"must have shape \(2,\)"),
+        ([0.0, 0.0], [1.0, 0.0], "finite and > 0"),
+        ([0.0, float("nan")], [1.0, 1.0], "finite and > 0"),
+    ],
+)
+def test_standardised_members_refuse_bad_statistics(means, stds, message):
+    with pytest.raises(ValueError, match=f"standardize_members: .*{message}"):
+        F.standardize_members(torch.zeros(2, 3), torch.tensor(means), torch.tensor(stds))

@@ -22,6 +22,7 @@ from lit_rlhf.ensembles import (
     RewardEnsemble,
     coerce_reward_model,
     read_ensemble_manifest,
+    reference_stats,
     write_ensemble_manifest,
 )
 from lit_rlhf.models import ModelSpec, load_tokenizer
@@ -177,7 +178,9 @@ def test_reward_model_forms_of_an_ensemble(ensemble_dir):
     assert isinstance(coerce_reward_model(f"{folder}/member_0"), ModelSpec)  # one reward model
     assert coerce_reward_model(None) is None
     plain = RewardEnsemble(ensemble=folder, aggregation="mean_minus_var", coef=2).as_dict()
-    assert plain == {"ensemble": folder, "aggregation": "mean_minus_var", "coef": 2.0}
+    assert plain == {
+        "ensemble": folder, "aggregation": "mean_minus_var", "coef": 2.0, "member_stats": None, "normalize": None,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -269,6 +272,61 @@ def test_ppo_and_online_dpo_take_an_ensemble(tokenizer_dir, ensemble_dir, tmp_pa
         members = [row[f"rollout/reward/member_{k}"] for k in range(3)]
         assert row["rollout/ensemble_std"] > 0, root
         assert row["rollout/score"] <= min(members) + 1e-6, root  # the worst member of each response
+
+
+STATS = [{"mean": 0.5, "std": 2.0}, {"mean": -1.0, "std": 0.5}, {"mean": 0.0, "std": 1.0}]
+
+
+def test_member_statistics_of_a_manifest_standardise_the_members(ensemble_dir, tmp_path):
+    members = [str(ensemble_dir / f"member_{k}") for k in range(3)]
+    write_ensemble_manifest(tmp_path / "z", members, "mean", member_stats=STATS)
+    assert RewardEnsemble(ensemble=str(tmp_path / "z")).resolve().stats == [(0.5, 2.0), (-1.0, 0.5), (0.0, 1.0)]
+    assert RewardEnsemble(ensemble=str(tmp_path / "z"), normalize=False).resolve().stats is None
+    assert RewardEnsemble(ensemble=str(ensemble_dir)).resolve().stats is None  # no statistics: raw scores
+    listed = RewardEnsemble(ensemble=members, member_stats=STATS).resolve()
+    assert listed.stats == [(0.5, 2.0), (-1.0, 0.5), (0.0, 1.0)]
+    with pytest.raises(ValueError, match=r"reward_model.normalize: true needs each member's reference statistics"):
+        RewardEnsemble(ensemble=str(ensemble_dir), normalize=True).resolve()
+    with pytest.raises(ValueError, match=r"member_stats\[1\] must be \{mean: finite, std: finite > 0\}"):
+        RewardEnsemble(ensemble=members, member_stats=[STATS[0], {"mean": 0.0, "std": 0.0}, STATS[2]])
+    with pytest.raises(ValueError, match="member_stats must be a list of 3"):
+        RewardEnsemble(ensemble=members, member_stats=STATS[:2])
+    write_ensemble_manifest(tmp_path / "bad", members, "mean", member_stats=[{"mean": 1.0}] * 3)
+    with pytest.raises(ValueError, match=r"bad/ensemble.json: member_stats\[0\]"):
+        RewardEnsemble(ensemble=str(tmp_path / "bad")).resolve()
+    with pytest.raises(ValueError, match="reward_model.normalize must be true, false or None"):
+        RewardEnsemble(ensemble=members, normalize="yes")
+
+
+def test_a_standardised_ensemble_scores_and_logs_its_members_on_one_scale(tokenizer_dir, ensemble_dir, tmp_path):
+    members = [str(ensemble_dir / f"member_{k}") for k in range(3)]
+    write_ensemble_manifest(tmp_path / "z", members, "mean", member_stats=STATS)
+    module = tiny_critic_free(
+        tokenizer_dir, gpt2_config(), reward_fn=None, reward_model=str(tmp_path / "z"), max_rollouts=2
+    )
+    assert "standardised members" in module.rewards.description
+    trainer(tmp_path / "fit").fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=2))
+    means, stds = torch.tensor([0.5, -1.0, 0.0]), torch.tensor([2.0, 0.5, 1.0])
+    for row in read_metrics(tmp_path / "fit"):
+        raw = torch.tensor([row[f"rollout/reward/member_{k}"] for k in range(3)])  # batch means, raw
+        # the mean of standardised members is affine in each member's batch mean: mean mu + mean sigma * mean z
+        expected = means.mean() + stds.mean() * ((raw - means) / stds).mean()
+        assert row["rollout/score"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-5)
+        assert row["rollout/ensemble_std"] > 0
+
+
+def test_reference_statistics_are_each_members_scores(ensemble_dir, tokenizer_dir):
+    members = [ensemble_dir / f"member_{k}" for k in range(2)]
+    texts = ["the food was good", "a room", "the plot was bad and dull", "we hated it"]
+    stats = reference_stats(members, texts, batch_size=3)
+    tok = load_tokenizer(tokenizer_dir)
+    for member, got in zip(members, stats):
+        scores = torch.tensor([RewardSource(ModelSpec(name_or_path=str(member)), None, tok).model(
+            **tok([t], return_tensors="pt")).logits.item() for t in texts])  # fmt: skip
+        assert got["mean"] == pytest.approx(scores.mean().item(), abs=1e-5)
+        assert got["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-5)
+    with pytest.raises(ValueError, match="reference_stats: needs at least 2 texts"):
+        reference_stats(members, ["one"])
 
 
 def test_resume_with_an_ensemble_reproduces_the_uninterrupted_run(

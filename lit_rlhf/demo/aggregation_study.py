@@ -30,10 +30,11 @@ from lit_rlhf.demo import evaluate
 from lit_rlhf.demo.ensemble_runs import PRETRAIN_MANIFEST, PRETRAIN_MEMBER_SEEDS
 from lit_rlhf.demo.overoptimization import final_policy, source_entry
 from lit_rlhf.demo.stages import StageRunner, export_dir, load_config, name_run
-from lit_rlhf.ensembles import ENSEMBLE_AGGREGATIONS, write_ensemble_manifest
+from lit_rlhf.ensembles import ENSEMBLE_AGGREGATIONS, reference_stats, write_ensemble_manifest
 
 STUDY = "aggregation_study"
-MEMBERS = ("single", "finetune", "pretrain", "union")
+# "-z": the same members standardised by their scores of the held-out pairs (ensembles.reference_stats)
+MEMBERS = ("single", "finetune", "pretrain", "union", "finetune-z", "pretrain-z", "union-z")
 DEFAULT_SOURCES = "single,finetune:mean_minus_std:1,finetune:mean_minus_std:2,finetune:min,pretrain:mean_minus_std:1,union:mean_minus_std:1"  # fmt: skip
 
 
@@ -73,10 +74,38 @@ def write_union_manifest(out: Path) -> Path:
     return write_ensemble_manifest(folder, finetune + pretrain, "mean_minus_std", 1.0, kind="union")
 
 
+def member_folders(out: Path, members: str) -> list[str]:
+    """The member folders of an ensemble source (without its ``-z``)."""
+    finetune = sorted(str(p.resolve()) for p in (out / "rm_weak_ensemble").glob("member_*"))
+    pretrain = [
+        str((out / name).resolve()) for name in ("rm_weak", *[f"rm_weak_sft{k}" for k in PRETRAIN_MEMBER_SEEDS])
+    ]
+    return {"finetune": finetune, "pretrain": pretrain, "union": finetune + pretrain}[members]
+
+
+def write_standardised_manifest(out: Path, members: str) -> Path:
+    """``OUT/aggregation_study/<members>-z/ensemble.json``: the members with their statistics on the held-out
+    pairs (prompt + chosen / rejected + EOS), so the runs aggregate standardised scores."""
+    from lit_rlhf.models import load_tokenizer
+
+    folders = member_folders(out, members)
+    eos = load_tokenizer(folders[0]).eos_token
+    pairs = evaluate.read_jsonl(out / "assets" / "prefs_val.jsonl")
+    texts = [p["prompt"] + p[side] + eos for p in pairs for side in ("chosen", "rejected")]
+    stats = reference_stats(folders, texts)
+    folder = out / STUDY / f"{members}-z"
+    return write_ensemble_manifest(
+        folder, folders, "mean_minus_std", 1.0, kind=f"{members}, standardised", member_stats=stats
+    )
+
+
 def reward_model(out: Path, members: str, aggregation: str | None, coef: float | None) -> dict:
     """The PPO run's ``reward_model`` settings for a source."""
     if members == "single":
         return {"name_or_path": str(out / "rm_weak")}
+    if members.endswith("-z"):
+        spec = {"ensemble": str(out / STUDY / members), "aggregation": aggregation}
+        return spec | ({"coef": coef} if coef is not None else {})
     folder = {
         "finetune": out / "rm_weak_ensemble",
         "pretrain": out / PRETRAIN_MANIFEST,
@@ -99,6 +128,8 @@ def run_study(
     salt = f"threads={threads} " + " ".join(recorded.get(name, {}).get("key", "") for name in inputs)
     if any(members == "union" for members, *_ in sources):
         write_union_manifest(out)
+    for members in sorted({m for m, *_ in sources if m.endswith("-z")}):
+        write_standardised_manifest(out, members.removesuffix("-z"))
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
     from lit_rlhf.rollout import GenerationSettings
 

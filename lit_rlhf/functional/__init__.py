@@ -21,6 +21,7 @@ from lit_rlhf.functional.ensembles import (
     aggregate_ensemble,
     ensemble_std,
     poisson_bootstrap_weights,
+    standardize_members,
 )
 from lit_rlhf.functional.is_correction import (
     IS_CORRECTION_STATS,
@@ -115,6 +116,7 @@ __all__ = [
     "best_worst_pairs",
     "ensemble_std",
     "poisson_bootstrap_weights",
+    "standardize_members",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",

@@ -16,7 +16,13 @@ import torch
 
 from lit_rlhf.functional._checks import as_float, check_number
 
-__all__ = ["ENSEMBLE_AGGREGATIONS", "aggregate_ensemble", "ensemble_std", "poisson_bootstrap_weights"]
+__all__ = [
+    "ENSEMBLE_AGGREGATIONS",
+    "aggregate_ensemble",
+    "ensemble_std",
+    "poisson_bootstrap_weights",
+    "standardize_members",
+]
 
 # the aggregations of an ensemble's scores (``aggregate_ensemble``)
 ENSEMBLE_AGGREGATIONS = ("mean", "mean_minus_std", "mean_minus_var", "min")
@@ -42,6 +48,44 @@ def ensemble_std(scores: torch.Tensor) -> torch.Tensor:
     _check_scores("ensemble_std", scores)
     scores = as_float(scores)  # (K, B)
     return scores.var(dim=0, correction=0).sqrt()  # (B,)
+
+
+def standardize_members(scores: torch.Tensor, means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:
+    """The K members' scores on one common scale: each member standardised by its own reference statistics,
+    then mapped to the members' average mean and spread.
+
+        z_kb = (s_kb - mu_k) / sigma_k                        (member k's score in its own standard units)
+        s'_kb = mean_j(mu_j) + mean_j(sigma_j) * z_kb
+
+    A Bradley-Terry reward model is identified only up to an additive constant (its loss sees score
+    differences), and members trained apart also land on different scales. Raw, the members' spread across
+    one response then measures their offsets and scales rather than their disagreement, and the mean is led
+    by the widest member. Standardised, every member counts alike, and the spread is zero for a response all
+    members place at the same point of their own reference distribution. Mapping back to the average mean and
+    spread keeps the aggregate in the units of the raw scores (a KL coefficient tuned for them keeps its
+    weight); members with equal statistics are left as they are.
+
+    Args:
+        scores: (K, B) scores of each member for each response.
+        means: (K,) each member's mean score on a reference set (e.g. held-out preference pairs).
+        stds: (K,) each member's standard deviation there, > 0.
+
+    Returns:
+        (K, B) float32 scores.
+    """
+    fn = "standardize_members"
+    _check_scores(fn, scores)
+    K = scores.shape[0]
+    means, stds = as_float(means).to(scores.device), as_float(stds).to(scores.device)  # (K,), (K,)
+    if means.shape != (K,) or stds.shape != (K,):
+        raise ValueError(
+            f"{fn}: `means` and `stds` must have shape ({K},) for {K} members, got {tuple(means.shape)} and "
+            f"{tuple(stds.shape)}"
+        )
+    if not bool(torch.isfinite(means).all() & torch.isfinite(stds).all() & (stds > 0).all()):
+        raise ValueError(f"{fn}: `means` must be finite and `stds` finite and > 0, got {means.tolist()} and {stds.tolist()}")
+    z = (as_float(scores) - means[:, None]) / stds[:, None]  # (K, B)
+    return means.mean() + stds.mean() * z  # (K, B)
 
 
 def aggregate_ensemble(scores: torch.Tensor, aggregation: str, coef: float = 1.0) -> torch.Tensor:

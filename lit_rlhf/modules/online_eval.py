@@ -166,7 +166,7 @@ class OnlineEvaluation(LightningModule):
             metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
             self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum",
                      sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
-        spread, count = ensemble_spread(terms) if self.rewards.members is not None else (None, 0)
+        spread, count = ensemble_spread(terms, self.rewards.common_scale) if self.rewards.members is not None else (None, 0)
         if count:  # an ensemble: its members' spread over the responses they all scored finitely
             metrics["ensemble_std"], sizes["ensemble_std"] = spread, int(count)
         if self.monitor is not None:

@@ -7,6 +7,7 @@ Shapes: B rollout rows, P prompt length (left-padded), T response length (right-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -181,7 +182,7 @@ class RolloutScoring(LightningModule):
             scores = scores + env_scores  # (B,)
         self.log_reward_terms(terms)
         if self.rewards.members is not None:
-            spread, count = ensemble_spread(terms)
+            spread, count = ensemble_spread(terms, self.rewards.common_scale)
             self.rollout_metrics.update({"ensemble_std": spread}, weight=count)
         keep = self.screen(scores, self.rewards, input_ids, attention_mask, T)  # (B,)
         scores = self.adjust_scores(F.fill_dropped_scores(scores, keep, self.num_samples), truncated)  # (B,)
@@ -272,10 +273,14 @@ class RolloutScoring(LightningModule):
         return scores
 
 
-def ensemble_spread(members: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+def ensemble_spread(
+    members: dict[str, torch.Tensor], scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, float]:
     """The mean over responses of an ensemble's spread (``functional.ensemble_std`` of the members' (B,)
-    scores by name), over the responses every member scored finitely, and their count."""
+    scores by name, put on the scale the aggregation uses by ``scale``, e.g. ``RewardSource.common_scale``),
+    over the responses every member scored finitely, and their count."""
     scores = torch.stack(list(members.values()))  # (K, B)
+    scores = scores if scale is None else scale(scores)  # (K, B)
     finite = torch.isfinite(scores).all(dim=0)  # (B,)
     spread = F.ensemble_std(torch.where(finite, scores, 0.0))  # (B,)
     count = finite.sum()
