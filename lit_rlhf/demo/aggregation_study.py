@@ -9,7 +9,9 @@ the proxy), so its lifts compare with the report's ``overoptimize_sources``. A s
 
 - MEMBERS: ``single`` (``rm_weak``), ``finetune`` (``rm_weak_ensemble``'s three members on one SFT backbone),
   ``pretrain`` (``rm_weak`` and ``rm_weak_sft1/2``, three backbones) or ``union`` (all six: the two families
-  together);
+  together); ``finetune-z``, ``pretrain-z`` and ``union-z`` are the same members standardised by their scores of
+  the held-out pairs (``member_stats`` in ``OUT/aggregation_study/<members>-z/ensemble.json``, written by
+  :func:`lit_rlhf.ensembles.reference_stats`; ``functional.standardize_members``);
 - AGGREGATION: ``mean``, ``mean_minus_std`` (COEF, default 1) or ``min`` (Coste et al. 2024,
   arXiv:2310.02743: the uncertainty-weighted and worst-case objectives); ignored for ``single``.
 
