@@ -59,7 +59,7 @@ def standardize_members(scores: torch.Tensor, means: torch.Tensor, stds: torch.T
 
     A Bradley-Terry reward model is identified only up to an additive constant (its loss sees score
     differences), and members trained apart also land on different scales. Raw, the members' spread across
-    one response then measures their offsets and scales rather than their disagreement, and the mean is led
+    one response then measures their offsets and scales as well as their disagreement, and the mean is led
     by the widest member. Standardised, every member counts alike, and the spread is zero for a response all
     members place at the same point of their own reference distribution. Mapping back to the average mean and
     spread keeps the aggregate in the units of the raw scores (a KL coefficient tuned for them keeps its
