@@ -20,10 +20,12 @@ VLLM_MARKERS ?= vllm and not distributed
 TOOL_SEEDS ?= 1
 # make test runs the main suite's test files in PYTEST_WORKERS processes (pytest-xdist; a file's tests stay
 # in one process, so its module fixtures run once): the suite is mostly one-core subprocess start-ups.
-# PYTEST_WORKERS=0 runs them all in pytest's own process.
+# PYTEST_WORKERS=0 runs them all in pytest's own process. The vLLM tests run in VLLM_WORKERS processes, test
+# by test (--dist loadgroup: the engine file's tests, which share one engine, stay together in one process).
 PYTEST_WORKERS ?= 2
 VLLM_VENV ?= .venv-vllm
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_fits.py
+VLLM_WORKERS ?= $(PYTEST_WORKERS)
 
 .PHONY: venv test test-distributed test-all test-vllm lint demo clean suite vllm-tests
 
@@ -41,22 +43,34 @@ lint: venv
 
 # pytest exits 5 when it collects no test: that is a failure here too, with a clear message.
 # The vLLM environment builds while the main suite runs; scripts/vllm_env.sh exits 3 where vLLM cannot
-# run (the one line printed then says why, and the rest of the run decides the result).
+# run (the one line printed then says why, and the rest of the run decides the result). Under make test the
+# vLLM tests start as soon as their environment is ready, in one process beside the main suite (which
+# leaves a core partly idle between its files' subprocess start-ups), and their output is printed after it.
 test: venv lint
-	@$(MAKE) --no-print-directory suite MARKERS="$(TEST_MARKERS)" VLLM_MARKERS="$(VLLM_MARKERS)"
+	@$(MAKE) --no-print-directory suite MARKERS="$(TEST_MARKERS)" VLLM_MARKERS="$(VLLM_MARKERS)" VLLM_BESIDE=1
 
-# The multi-process tests, in both environments (CI runs them after make test).
+# The multi-process tests, in both environments (CI runs them after make test); the vLLM ones after the
+# main ones (each test starts two ranks).
 test-distributed: venv
 	@$(MAKE) --no-print-directory suite MARKERS="distributed and not slow and not vllm" \
-	  VLLM_MARKERS="vllm and distributed"
+	  VLLM_MARKERS="vllm and distributed" VLLM_BESIDE=0
 
+VLLM_BESIDE ?= 0
 suite:
-	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & env_pid=$$!; \
+	@if [ "$(VLLM_BESIDE)" = 1 ]; then \
+	  ( scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1; \
+	    $(MAKE) --no-print-directory vllm-tests ENV_RC=$$? VLLM_WORKERS=0 ) > $(VLLM_VENV).tests.log 2>&1 & \
+	else \
+	  scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & \
+	fi; bg_pid=$$!; \
 	$(PY) -m pytest -m "$(MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; fi; \
-	wait $$env_pid; env_rc=$$?; \
+	wait $$bg_pid; bg_rc=$$?; \
+	if [ "$(VLLM_BESIDE)" = 1 ]; then \
+	  cat $(VLLM_VENV).tests.log; if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$bg_rc; \
+	fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
-	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$env_rc
+	$(MAKE) --no-print-directory vllm-tests ENV_RC=$$bg_rc
 
 test-vllm: venv
 	@scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1; \
@@ -65,7 +79,8 @@ test-vllm: venv
 vllm-tests:
 	@if [ "$(ENV_RC)" = 0 ]; then \
 	  echo "vLLM engine tests ($$(tail -n 1 $(VLLM_VENV).log)):"; \
-	  $(VLLM_VENV)/bin/python -m pytest -m "$(VLLM_MARKERS)" -q -p no:cacheprovider $(VLLM_TESTS); \
+	  $(VLLM_VENV)/bin/python -m pytest -m "$(VLLM_MARKERS)" -q -p no:cacheprovider \
+	    -n $(VLLM_WORKERS) --dist loadgroup $(VLLM_TESTS); \
 	elif [ "$(ENV_RC)" = 3 ]; then \
 	  echo "make test: the vLLM engine's tests did not run: $$(tail -n 1 $(VLLM_VENV).log)"; \
 	else \
@@ -81,4 +96,4 @@ demo: venv
 	$(PY) -m lit_rlhf.demo.tool_pipeline --out runs/demo/tool --seeds $(TOOL_SEEDS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log $(VLLM_VENV).tests.log runs .pytest_cache .ruff_cache
