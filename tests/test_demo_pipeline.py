@@ -479,3 +479,24 @@ def test_aggregation_study_needs_an_ensemble_demo_folder(tmp_path, capsys):
         aggregation_study.main(["--out", str(tmp_path), "--threads", "1"])
     assert exit_info.value.code == 2
     assert "no report.json, rm_weak_ensemble, rm_weak_pretrain_ensemble" in capsys.readouterr().err
+
+
+def test_a_cell_with_seeds_missing_says_how_many_and_spreads_the_others():
+    def entry(values):
+        spreads = compare.spread(values)
+        seeds = [{"frontier_distance": v} for v in values]
+        return {"frontier_distance": spreads["mean"], "std": {"frontier_distance": spreads["std"]},
+                "min": {"frontier_distance": spreads["min"]}, "n_seeds": len(values), "seeds": seeds}  # fmt: skip
+
+    assert compare._cell(entry([0.1, -0.3, 0.5]), "frontier_distance", "+.2f") == "+0.10 ± 0.40 (min -0.30)"
+    assert compare._cell(entry([None, -0.3, 0.5]), "frontier_distance", "+.2f") == (
+        "n/a on 1 of 3 seeds; the others ± 0.57 (min -0.30)"
+    )
+    assert compare._cell(entry([None, None]), "frontier_distance", "+.2f") == "n/a"
+    assert compare._cell(entry([None]), "frontier_distance", "+.2f") == "n/a"
+
+
+def test_the_cpu_features_line_names_what_the_cpu_has_and_lacks():
+    assert report.cpu_features_text(["avx2", "avx512f", "avx512_bf16"]) == "avx2, avx512f, avx512_bf16; no amx_bf16"
+    assert report.cpu_features_text(list(report.CPU_FEATURES)) == "avx2, avx512f, avx512_bf16, amx_bf16"
+    assert report.cpu_features_text([]) == "no avx2, avx512f, avx512_bf16, amx_bf16"

@@ -104,6 +104,9 @@ def _cell(entry: dict, metric: str, spec: str) -> str:
     text = missing if mean is None else format(mean, spec)
     if entry["n_seeds"] == 1:
         return text
+    n_missing = sum(seed[metric] is None for seed in entry["seeds"])
+    if mean is None and n_missing < entry["n_seeds"]:  # the spread is of the other seeds only: say so
+        text = f"{missing} on {n_missing} of {entry['n_seeds']} seeds; the others"
     text += "" if std is None else f" ± {format(std, spec.lstrip('+'))}"
     return text + ("" if low is None else f" (min {format(low, spec)})")
 

@@ -172,6 +172,13 @@ def _table(results: dict, names: list[str]) -> list[str]:
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
+def cpu_features_text(present: list[str]) -> str:
+    """Which of ``CPU_FEATURES`` the CPU has and which it lacks, e.g. ``avx2, avx512f; no avx512_bf16, amx_bf16``."""
+    absent = [f for f in CPU_FEATURES if f not in present]
+    parts = [", ".join(present)] if present else []
+    return "; ".join(parts + ([f"no {', '.join(absent)}"] if absent else []))
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
     hence the demo's figures, moves with each of them)."""
@@ -328,8 +335,8 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
         f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
         f" {summary['rm_val_label_accuracy']:.3f}).",
-        f"- Measured on {summary['machine']['cpu']} ({', '.join(summary['machine'].get('cpu_features', [])) or 'no'}"
-        f" of {', '.join(CPU_FEATURES)}) with {summary['machine']['threads']} torch threads"
+        f"- Measured on {summary['machine']['cpu']} ({cpu_features_text(summary['machine'].get('cpu_features', []))})"
+        f" with {summary['machine']['threads']} torch threads"
         f" (torch {summary['machine']['torch']}, transformers {summary['machine']['transformers']}).",
         f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
         " pipeline checks every online config's max_new_tokens against it).",
