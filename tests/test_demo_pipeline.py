@@ -500,3 +500,21 @@ def test_the_cpu_features_line_names_what_the_cpu_has_and_lacks():
     assert report.cpu_features_text(["avx2", "avx512f", "avx512_bf16"]) == "avx2, avx512f, avx512_bf16; no amx_bf16"
     assert report.cpu_features_text(list(report.CPU_FEATURES)) == "avx2, avx512f, avx512_bf16, amx_bf16"
     assert report.cpu_features_text([]) == "no avx2, avx512f, avx512_bf16, amx_bf16"
+
+
+def test_member_agreement_by_hand_and_on_the_small_run(small_run, tmp_path):
+    from lit_rlhf.demo import member_agreement
+
+    scores = torch.tensor([[1.0, 3.0], [3.0, 5.0]])  # 2 members x 2 texts: means 2, 4; spreads 1, 1
+    assert member_agreement.agreement(scores) == {"mean": 3.0, "spread": 1.0, "mean_minus_spread": 2.0}
+    out, *_ = small_run
+    result = member_agreement.main(["--out", str(out), "--prompts", "4"])
+    assert set(result) == {"sft", "single", "finetune_ensemble", "pretrain_ensemble"}
+    for entry in result.values():
+        assert entry["n_texts"] == 4 and 0.0 <= entry["grammatical"] <= 1.0
+        for family in member_agreement.FAMILIES:
+            e = entry[family]
+            assert e["spread"] >= 0 and e["mean_minus_spread"] == pytest.approx(e["mean"] - e["spread"], abs=1e-5)
+    assert json.loads((out / "member_agreement_seed0.json").read_text()) == json.loads(json.dumps(result))
+    with pytest.raises(SystemExit):  # a folder without the ensembles: argparse's error names the members
+        member_agreement.main(["--out", str(tmp_path)])
