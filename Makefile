@@ -50,10 +50,10 @@ test: venv lint
 	@$(MAKE) --no-print-directory suite MARKERS="$(TEST_MARKERS)" VLLM_MARKERS="$(VLLM_MARKERS)" VLLM_BESIDE=1
 
 # The multi-process tests, in both environments (CI runs them after make test); the vLLM ones after the
-# main ones (each test starts two ranks).
+# main ones and one at a time (each test starts two ranks, each with its engine).
 test-distributed: venv
 	@$(MAKE) --no-print-directory suite MARKERS="distributed and not slow and not vllm" \
-	  VLLM_MARKERS="vllm and distributed" VLLM_BESIDE=0
+	  VLLM_MARKERS="vllm and distributed" VLLM_BESIDE=0 VLLM_WORKERS=0
 
 VLLM_BESIDE ?= 0
 suite:

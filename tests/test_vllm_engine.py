@@ -21,8 +21,8 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (make test-vllm)")
-# one worker runs this file in order (`make test` spreads the vLLM tests over two with --dist loadgroup): its
-# tests share one engine, and the two that break it on purpose run last
+# one worker runs this file in order (`make test-vllm` spreads the vLLM tests over processes with --dist
+# loadgroup): its tests share one engine, and the two that break it on purpose run last
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_engine")]
 
 from lit_rlhf import functional as F  # noqa: E402
