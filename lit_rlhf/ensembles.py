@@ -33,11 +33,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from lit_rlhf.functional.ensembles import ENSEMBLE_AGGREGATIONS
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.settings import Settings
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ENSEMBLE_MANIFEST",
@@ -276,6 +279,26 @@ def check_member_tokenizers(tokenizers: list[Any], members: list[ModelSpec]) -> 
             )
 
 
+def member_scores(members: list[str | Path], texts: list[str], batch_size: int = 64) -> torch.Tensor:
+    """(K, N) float32 scores of the N ``texts`` (whole sequences, as the members score rollouts) by each of the
+    K member folders, in ``batch_size`` chunks."""
+    import torch
+
+    from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores
+
+    rows = []
+    for member in members:
+        tokenizer = load_tokenizer(str(member))
+        model = build_score_model(ModelSpec(name_or_path=str(member)), tokenizer).eval()
+        parts = []
+        with torch.no_grad():
+            for start in range(0, len(texts), batch_size):
+                enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
+                parts.append(sequence_scores(model, enc["input_ids"], enc["attention_mask"]))  # (b,)
+        rows.append(torch.cat(parts))  # (N,)
+    return torch.stack(rows)  # (K, N)
+
+
 def reference_stats(members: list[str | Path], texts: list[str], batch_size: int = 64) -> list[dict[str, float]]:
     """Each member's ``{mean, std}`` (population std) of its scores of ``texts`` (whole sequences, e.g. prompt +
     response + EOS of held-out pairs, as the members score rollouts): the ``member_stats`` of ``ensemble.json``.
@@ -283,22 +306,10 @@ def reference_stats(members: list[str | Path], texts: list[str], batch_size: int
     Raises:
         ValueError: fewer than 2 texts, or a member whose scores are not finite or all equal.
     """
-    import torch
-
-    from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores
-
     if len(texts) < 2:
         raise ValueError(f"reference_stats: needs at least 2 texts, got {len(texts)}")
     stats = []
-    for member in members:
-        tokenizer = load_tokenizer(str(member))
-        model = build_score_model(ModelSpec(name_or_path=str(member)), tokenizer).eval()
-        scores = []
-        with torch.no_grad():
-            for start in range(0, len(texts), batch_size):
-                enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
-                scores.append(sequence_scores(model, enc["input_ids"], enc["attention_mask"]))  # (b,)
-        scores = torch.cat(scores)  # (N,)
+    for member, scores in zip(members, member_scores(members, texts, batch_size)):  # (N,) each
         mean, std = scores.mean().item(), scores.std(correction=0).item()
         if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
             raise ValueError(f"reference_stats: member {member}: scores with mean {mean} and std {std}")

@@ -24,30 +24,12 @@ from pathlib import Path
 import torch
 
 from lit_rlhf.demo import evaluate
-from lit_rlhf.demo.ensemble_runs import PRETRAIN_MEMBER_SEEDS, SOURCES, run_name
+from lit_rlhf.demo.aggregation_study import member_folders
+from lit_rlhf.demo.ensemble_runs import SOURCES, run_name
+from lit_rlhf.ensembles import member_scores
 from lit_rlhf.functional import aggregate_ensemble, ensemble_std
 
-FAMILIES = {  # family -> its members' folders under OUT
-    "finetune": [f"rm_weak_ensemble/member_{k}" for k in range(3)],
-    "pretrain": ["rm_weak", *[f"rm_weak_sft{k}" for k in PRETRAIN_MEMBER_SEEDS]],
-}
-
-
-def member_scores(members: list[Path], texts: list[str], batch_size: int = 64) -> torch.Tensor:
-    """(K, N) float32 scores of the N ``texts`` by each of the K member folders."""
-    from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer, sequence_scores
-
-    rows = []
-    for member in members:
-        tokenizer = load_tokenizer(str(member))
-        model = build_score_model(ModelSpec(name_or_path=str(member)), tokenizer).eval()
-        with torch.no_grad():
-            parts = []
-            for start in range(0, len(texts), batch_size):
-                enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
-                parts.append(sequence_scores(model, enc["input_ids"], enc["attention_mask"]))  # (b,)
-        rows.append(torch.cat(parts))  # (N,)
-    return torch.stack(rows)  # (K, N)
+FAMILIES = ("finetune", "pretrain")  # aggregation_study.member_folders: one SFT backbone, or three
 
 
 def agreement(scores: torch.Tensor) -> dict[str, float]:
@@ -89,8 +71,8 @@ def study(out: Path, seed: int, n_prompts: int, batch_size: int = 256) -> dict[s
             "grammatical": sum(r["grammatical"] for r in rows) / len(rows),
             "n_texts": len(rows),
         }
-        for family, members in FAMILIES.items():
-            entry[family] = agreement(member_scores([out / m for m in members], texts))
+        for family in FAMILIES:
+            entry[family] = agreement(member_scores(member_folders(out, family), texts))
         result[label] = entry
     return result
 
@@ -114,10 +96,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = parser.parse_args(argv)
     if args.prompts < 2:
         parser.error(f"--prompts must be >= 2, got {args.prompts}")
-    for family, members in FAMILIES.items():
-        missing = [m for m in members if not (args.out / m).is_dir()]
-        if missing:
-            parser.error(f"--out {args.out}: no {family} member(s) {', '.join(missing)}: run the pipeline with --ensemble")
+    for family in FAMILIES:
+        folders = member_folders(args.out, family)
+        missing = [f for f in folders if not Path(f).is_dir()]
+        if len(folders) < 2 or missing:
+            parser.error(f"--out {args.out}: the {family} ensemble's members are missing: run the pipeline with --ensemble")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = study(args.out, args.seed, args.prompts)
