@@ -59,21 +59,22 @@ def study(out: Path, seed: int, n_prompts: int, batch_size: int = 256) -> dict[s
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")][:n_prompts]
     generation = GenerationSettings(max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE)
     eos = load_tokenizer(str(out / "rm_weak")).eos_token
-    result = {}
+    result, texts = {}, []
     for label, folder in policies(out, seed).items():
         rows = evaluate.sample_policy(
             folder, prompts, generation, reference_dir=out / "sft", reward_model_dir=out / "rm_weak",
             batch_size=batch_size,
         )  # fmt: skip
-        texts = [r["prompt"] + r["response"] + eos for r in rows]
-        entry = {
+        texts += [r["prompt"] + r["response"] + eos for r in rows]
+        result[label] = {
             "gold": sum(r["gold"] for r in rows) / len(rows),
             "grammatical": sum(r["grammatical"] for r in rows) / len(rows),
             "n_texts": len(rows),
         }
-        for family in FAMILIES:
-            entry[family] = agreement(member_scores(member_folders(out, family), texts))
-        result[label] = entry
+    for family in FAMILIES:  # each member loaded once, for every policy's texts
+        scores = member_scores(member_folders(out, family), texts)  # (K, policies x N)
+        for entry, part in zip(result.values(), scores.split([e["n_texts"] for e in result.values()], dim=1)):
+            entry[family] = agreement(part)
     return result
 
 
