@@ -1,5 +1,6 @@
 """W1's generation against its limits: per-token decoding time of Hugging Face ``generate`` and of the lean
-loop (``generation.decode_loop``), against the matmul-bound floor and the weight-streaming floor.
+loop (``generation.decode_loop``), against the matmul-bound floor, the weight-streaming floor and the
+memory-read floor.
 
 The W1 setting of ``grpo_bench.py``: the prebuilt 32,000-token actor (20.6M parameters), one prompt of
 ``grpo_prompts`` per rollout repeated K = 8 times, up to 64 new tokens at temperature 1, ``generate_responses``
@@ -17,7 +18,11 @@ figures measured in this run, one thread:
 * weight-streaming: the bytes of the matmul weights (layers and LM head, float32) over the rate at which
   ``x @ W`` streams weights that do not fit the cache (8 rows, (256, 32000) weights, 128 MiB of them in
   turn): at 8 rows a decoding step reads every weight once and does 8 multiply-adds per weight read, so on a
-  CPU whose memory is slower than its FMAs this is the tighter bound.
+  CPU whose memory is slower than its FMAs this is the tighter bound;
+* memory read: the same bytes over the rate at which one core reads weights that are not in cache with a
+  plain reduction (``w.sum()``, the same 128 MiB in turn). Where this is well below the weight-streaming
+  floor, the small-row product of the BLAS, not the memory, bounds the streaming (its access pattern
+  across the weight's rows, not the bytes).
 
 Prints medians and min-max over the pairs of the per-step decoding milliseconds, % of each floor
 (floor / measured), the prefill and whole-call seconds, the lean/generate ratio per pair, and the CPU model.
@@ -60,6 +65,18 @@ def streaming_rate(seconds: float = 1.0) -> float:
     return weights[0].numel() * 4 / best
 
 
+def read_rate(seconds: float = 1.0) -> float:
+    """Bytes per second at which one core sums (256, 32000) float32 weights that are not in cache."""
+    weights = [torch.randn(256, 32000) for _ in range(4)]
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for w in weights:
+            start = time.perf_counter()
+            w.sum()
+            best = min(best, time.perf_counter() - start)
+    return weights[0].numel() * 4 / best
+
+
 class Phases:
     """Wall time of a call's prefill (up to the end of its last multi-column forward) and its decoding
     steps (one-column forwards), from forward hooks on the model."""
@@ -97,11 +114,12 @@ def main() -> None:
     params = sum(p.numel() for p in actor.parameters())
     matmul_params = params - actor.get_input_embeddings().weight.numel()
     peak = best_rate(1024, torch.float32, 1.0)[0] * 1e9  # FLOP/s
-    rate = streaming_rate()
+    rate, read = streaming_rate(), read_rate()
     floors = {  # seconds per decoding step
         "matmul (all params)": 2 * params * K / peak,
         "matmul (no input embedding)": 2 * matmul_params * K / peak,
         "weight streaming": matmul_params * 4 / rate,
+        "memory read": matmul_params * 4 / read,
     }
     figures = {loop: {"step_ms": [], "prefill_s": [], "call_s": [], "steps": []} for loop in LOOPS}
     for repeat in range(args.repeats + 1):
@@ -124,7 +142,7 @@ def main() -> None:
             raise SystemExit(f"pair {repeat}: the lean loop's tokens or log-probs differ from generate's")
     print(f"CPU: {cpu_model()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
     print(f"actor {params / 1e6:.2f}M parameters ({matmul_params / 1e6:.2f}M in matmuls), {K} rows; fp32 peak "
-          f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s")  # fmt: skip
+          f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s, memory read {read / 1e9:.1f} GB/s")  # fmt: skip
     for name, floor in floors.items():
         print(f"floor per decoding step, {name}: {1e3 * floor:.2f} ms")
     print(
@@ -146,7 +164,7 @@ def main() -> None:
     print(f"speed-up generate/lean per pair: decoding step {spread(ratio)}, whole call {spread(calls)}; "
           f"decoding steps per call {spread(figures['lean']['steps'])}")  # fmt: skip
     if args.json:
-        summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, floors_ms=floors,
+        summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, read_gbs=read / 1e9, floors_ms=floors,
                        figures=figures, args=vars(args))  # fmt: skip
         Path(args.json).write_text(json.dumps(summary, indent=2))
 
