@@ -21,8 +21,8 @@ figures measured in this run, one thread:
   CPU whose memory is slower than its FMAs this is the tighter bound;
 * memory read: the same bytes over the rate at which one core reads weights that are not in cache with a
   plain reduction (``w.sum()``, the same 128 MiB in turn). Where this is well below the weight-streaming
-  floor, the small-row product of the BLAS, not the memory, bounds the streaming (its access pattern
-  across the weight's rows, not the bytes).
+  floor, the small-row product of the BLAS, not the memory, bounds the streaming (how it walks the
+  weight, not how many bytes it reads).
 
 Prints medians and min-max over the pairs of the per-step decoding milliseconds, % of each floor
 (floor / measured), the prefill and whole-call seconds, the lean/generate ratio per pair, and the CPU model.
@@ -142,7 +142,8 @@ def main() -> None:
             raise SystemExit(f"pair {repeat}: the lean loop's tokens or log-probs differ from generate's")
     print(f"CPU: {cpu_model()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
     print(f"actor {params / 1e6:.2f}M parameters ({matmul_params / 1e6:.2f}M in matmuls), {K} rows; fp32 peak "
-          f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s, memory read {read / 1e9:.1f} GB/s")  # fmt: skip
+          f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s, "
+          f"memory read {read / 1e9:.1f} GB/s")  # fmt: skip
     for name, floor in floors.items():
         print(f"floor per decoding step, {name}: {1e3 * floor:.2f} ms")
     print(
@@ -164,8 +165,8 @@ def main() -> None:
     print(f"speed-up generate/lean per pair: decoding step {spread(ratio)}, whole call {spread(calls)}; "
           f"decoding steps per call {spread(figures['lean']['steps'])}")  # fmt: skip
     if args.json:
-        summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, read_gbs=read / 1e9, floors_ms=floors,
-                       figures=figures, args=vars(args))  # fmt: skip
+        summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, read_gbs=read / 1e9,
+                       floors_ms=floors, figures=figures, args=vars(args))  # fmt: skip
         Path(args.json).write_text(json.dumps(summary, indent=2))
 
 
