@@ -35,7 +35,7 @@ FAMILIES = ("finetune", "pretrain")  # aggregation_study.member_folders: one SFT
 def agreement(scores: torch.Tensor) -> dict[str, float]:
     """Averages over the N texts of the members' mean, spread and mean - spread of (K, N) ``scores``."""
     return {
-        "mean": scores.mean(dim=0).mean().item(),
+        "mean": aggregate_ensemble(scores, "mean").mean().item(),
         "spread": ensemble_std(scores).mean().item(),
         "mean_minus_spread": aggregate_ensemble(scores, "mean_minus_std", 1.0).mean().item(),
     }
@@ -57,7 +57,9 @@ def study(out: Path, seed: int, n_prompts: int, batch_size: int = 256) -> dict[s
     from lit_rlhf.rollout import GenerationSettings
 
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")][:n_prompts]
-    generation = GenerationSettings(max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE)
+    generation = GenerationSettings(
+        max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE
+    )
     eos = load_tokenizer(str(out / "rm_weak")).eos_token
     result, texts = {}, []
     for label, folder in policies(out, seed).items():
@@ -83,14 +85,18 @@ def table(result: dict[str, dict]) -> str:
     head = " | ".join(f"{f}: mean / spread / mean - spread" for f in FAMILIES)
     lines = [f"| policy | gold | grammatical | {head} |", "|---|---|---|" + "---|" * len(FAMILIES)]
     for label, e in result.items():
-        cells = [f"{e[f]['mean']:+.2f} / {e[f]['spread']:.2f} / {e[f]['mean_minus_spread']:+.2f}" for f in FAMILIES]
+        cells = [
+            f"{e[f]['mean']:+.2f} / {e[f]['spread']:.2f} / {e[f]['mean_minus_spread']:+.2f}" for f in FAMILIES
+        ]
         lines.append(f"| {label} | {e['gold']:+.2f} | {e['grammatical']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="a finished `pipeline --ensemble` folder")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/demo"), help="a finished `pipeline --ensemble` folder"
+    )
     parser.add_argument("--seed", type=int, default=0, help="training seed of the over-optimisation runs")
     parser.add_argument("--prompts", type=int, default=256, help="held-out prompts sampled per policy")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         folders = member_folders(args.out, family)
         missing = [f for f in folders if not Path(f).is_dir()]
         if len(folders) < 2 or missing:
-            parser.error(f"--out {args.out}: the {family} ensemble's members are missing: run the pipeline with --ensemble")
+            parser.error(
+                f"--out {args.out}: the {family} ensemble's members are missing: run the pipeline with --ensemble"
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
     result = study(args.out, args.seed, args.prompts)
