@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import gpt2_config, llama_config
-from test_generation_prefill import K, _model, _prompts
+from test_generation_prefill import K, _model, _prompts, _record_forward_shapes
 
-from lit_rlhf.engines.lean_decode import GrowingLayer, lean_unsupported
+from lit_rlhf.engines.lean_decode import MIN_ROWS, GrowingLayer, _keep_rows, _worth_dropping, lean_unsupported
 from lit_rlhf.rollout import GenerationSettings, generate_responses, generation_kwargs
 
 
@@ -73,21 +73,79 @@ def test_lean_loop_gives_generates_tokens_and_logprobs(tokenizer_dir, config, gr
     assert reference[0].mask.any(dim=1).all()
 
 
-@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
-def test_lean_loop_stops_rows_as_generate_does(tokenizer_dir, sampler):
-    """Stop ids that end every row at a different step before the limit, so the loop ends early too."""
-    tok, model = _model(tokenizer_dir, llama_config())
-    ids, mask = _prompts(tok)
-    settings = GenerationSettings(max_new_tokens=24, num_samples=K, sampler=sampler, top_k=20)
+def _stopping_settings(model, tok, ids, mask, sampler, **fields):
+    """Settings whose stop ids (the most sampled tokens) end the rows at different steps before the limit."""
+    settings = GenerationSettings(max_new_tokens=24, num_samples=K, sampler=sampler, **fields)
     probe = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))[0]
     frequent = torch.bincount(probe.ids[probe.mask]).topk(12).indices.tolist()  # the most sampled tokens
-    settings = replace(settings, stop_token_ids=[t for t in frequent if t != tok.pad_token_id])
-    reference, lean = _both(model, tok, ids, mask, settings)
+    return replace(settings, stop_token_ids=[t for t in frequent if t != tok.pad_token_id])
+
+
+@pytest.mark.parametrize("group_prefill", ["never", "always"])
+@pytest.mark.parametrize("drop_finished", ["always", "never"])
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial", "greedy"])
+def test_lean_loop_stops_rows_as_generate_does(tokenizer_dir, sampler, drop_finished, group_prefill):
+    """Stop ids that end every row at a different step before the limit, so the loop ends early too; with
+    ``drop_finished`` the finished rows leave the batch (greedy and inverse CDF) and nothing else changes."""
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    greedy = sampler == "greedy"
+    settings = _stopping_settings(
+        model, tok, ids, mask, "inverse_cdf" if greedy else sampler, top_k=20, drop_finished=drop_finished,
+        group_prefill=group_prefill,
+    )  # fmt: skip
+    if greedy:  # a group's K greedy rows are one response: stop on tokens of the groups' at different steps
+        unstopped = replace(settings, decode_loop="generate", stop_token_ids=[])
+        probe = _generate(model, tok, ids, mask, unstopped, greedy=True)[0]
+        rows = torch.arange(0, len(ids), K)
+        settings = replace(settings, stop_token_ids=probe.ids[rows, torch.arange(len(rows)) * 3].tolist())
+    shapes = _record_forward_shapes(model)
+    reference, lean = _both(model, tok, ids, mask, settings, greedy)
     _assert_same(reference, lean)
     out = reference[0]
     lengths = out.mask.sum(dim=1)
     assert not out.truncated.any() and out.ids.shape[1] < settings.max_new_tokens
-    assert len(set(lengths.tolist())) >= 3 and (out.ids[~out.mask] == tok.pad_token_id).all()
+    assert len(set(lengths.tolist())) >= (2 if greedy else 3) and (out.ids[~out.mask] == tok.pad_token_id).all()
+    lean_rows = [rows for rows, columns in shapes[len(shapes) // 2 :] if columns == 1]  # the lean call's steps
+    dropped = drop_finished == "always" and sampler != "multinomial"
+    assert (min(lean_rows) < len(ids)) == dropped
+    assert min(lean_rows) >= MIN_ROWS and lean_rows == sorted(lean_rows, reverse=True)
+
+
+def test_dropping_rows_keeps_the_batch_at_two_rows(tokenizer_dir):
+    """All rows but one stop at their first token: the loop goes on with the running row and one finished
+    filler (a one-row batch would take the BLAS's matrix-vector path), with generate's tokens."""
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=12, num_samples=K, sampler="inverse_cdf", drop_finished="always")
+    probe = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))[0]
+    first = probe.ids[:, 0]
+    stops = sorted(set(first[1:].tolist()) - {first[0].item(), tok.pad_token_id})
+    settings = replace(settings, stop_token_ids=stops)
+    shapes = _record_forward_shapes(model)
+    reference, lean = _both(model, tok, ids, mask, settings)
+    _assert_same(reference, lean)
+    running = reference[0].mask.sum(dim=1) > 1
+    assert running[0] and not running[1:][~torch.isin(first[1:], first[0])].any()
+    assert min(rows for rows, columns in shapes if columns == 1) == MIN_ROWS
+
+
+def test_which_rows_are_kept():
+    assert _keep_rows(torch.tensor([True, False, True, False])).tolist() == [0, 2]
+    assert _keep_rows(torch.tensor([False, False, True, False])).tolist() == [0, 2]  # a filler: 2 rows
+    assert _keep_rows(torch.tensor([False, False, False, True])).tolist() == [0, 3]
+    assert not _worth_dropping(MIN_ROWS, 1)  # cannot shrink
+    assert _worth_dropping(8, 7) and not _worth_dropping(8, 8)
+    assert not _worth_dropping(64, 57) and _worth_dropping(64, 56)  # an eighth of a large batch
+
+
+def test_drop_finished_setting():
+    assert GenerationSettings().drops_finished("cpu")
+    assert not GenerationSettings().drops_finished("meta")  # auto: CPU only
+    assert GenerationSettings(drop_finished="always").drops_finished("meta")
+    assert not GenerationSettings(drop_finished="never").drops_finished("cpu")
+    with pytest.raises(ValueError, match="generation.drop_finished must be one of"):
+        GenerationSettings(drop_finished="yes")
 
 
 def test_lean_loop_with_a_lora_policy(tokenizer_dir):
@@ -109,6 +167,22 @@ def test_growing_layer_holds_what_concatenation_holds():
     assert layer.get_seq_length() == 5
     layer.update(new_k, new_v)
     with pytest.raises(RuntimeError, match="capacity 6"):
+        layer.update(new_k, new_v)
+
+
+def test_growing_layer_keeps_rows():
+    keys, values = torch.randn(4, 3, 2, 5), torch.randn(4, 3, 2, 5)
+    layer = GrowingLayer(keys, values, capacity=4)
+    rows = torch.tensor([1, 3])
+    layer.keep_rows(rows)
+    assert torch.equal(layer.keys, keys[rows]) and torch.equal(layer.values, values[rows])
+    new_k, new_v = torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)
+    k, v = layer.update(new_k, new_v)  # grows in the new buffers, up to the same capacity
+    assert torch.equal(k, torch.cat([keys[rows], new_k], dim=-2)) and torch.equal(
+        v, torch.cat([values[rows], new_v], dim=-2)
+    )
+    layer.update(new_k, new_v)
+    with pytest.raises(RuntimeError, match="capacity 4"):
         layer.update(new_k, new_v)
 
 

@@ -165,6 +165,7 @@ def generate_responses(
             responses = lean_decode(
                 model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
                 pad_token_id=pad_token_id, recorder=recorder, cache=cache,
+                drop_finished=settings.drops_finished(input_ids.device),
             )  # fmt: skip
         else:
             responses = model.generate(**kwargs)[:, input_ids.shape[1] :]

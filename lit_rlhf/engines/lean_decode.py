@@ -89,6 +89,14 @@ class GrowingLayer(DynamicLayer):
         self._fill(key_states, value_states, self.keys.shape[-2])
         return self.keys, self.values
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the (b,) ``rows`` of the batch, in that order: new (b, H, capacity, D) buffers holding
+        their filled columns (the same values, in the same layout)."""
+        keys, values = self.keys.index_select(0, rows), self.values.index_select(0, rows)  # (b, H, L, D)
+        self._key_buffer = self._key_buffer.new_empty(len(rows), *self._key_buffer.shape[1:])
+        self._value_buffer = self._value_buffer.new_empty(len(rows), *self._value_buffer.shape[1:])
+        self._fill(keys, values, 0)
+
 
 def lean_unsupported(model: torch.nn.Module, generate_kwargs: dict) -> str | None:
     """Why the lean loop cannot stand in for ``model.generate(**generate_kwargs)`` (None: it can).
@@ -131,13 +139,25 @@ def _growing(cache: object, capacity: int) -> object:
     return cache
 
 
-def _next_tokens(logits: torch.Tensor, recorder: BehaviourRecorder | None, ids: torch.Tensor, pad: int):
-    """(B, V) float32 logits of the last position (owned: overwritten) -> (B,) the tokens ``generate``
-    would take: greedy argmax with the pad suppressed, the inverse-CDF draw, or the multinomial one."""
+def drops_rows(recorder: BehaviourRecorder | None) -> bool:
+    """Whether the loop can drop finished rows under this sampler and still make ``generate``'s draws:
+    greedy decoding draws nothing, the inverse-CDF sampler one uniform per row (drawn for the whole batch
+    anyway); ``torch.multinomial``'s variates depend on the batch's shape, so that sampler keeps every row."""
+    return recorder is None or isinstance(recorder, InverseCDFSampler)
+
+
+def _next_tokens(
+    logits: torch.Tensor, recorder: BehaviourRecorder | None, ids: torch.Tensor, pad: int, rows: torch.Tensor,
+    batch_size: int,
+):  # fmt: skip
+    """(b, V) float32 logits of the last position (owned: overwritten) of the batch's ``rows`` (b,) of
+    ``batch_size`` -> (b,) the tokens ``generate`` would take: greedy argmax with the pad suppressed, the
+    inverse-CDF draw, or the multinomial one (every row: ``ids`` are then the (B, P+t) ids so far)."""
     if recorder is None:
         return logits.index_fill_(1, torch.tensor([pad], device=logits.device), float("-inf")).argmax(dim=-1)
     if isinstance(recorder, InverseCDFSampler):
-        return recorder.draw(logits, inplace=True)
+        dropped = len(rows) < batch_size
+        return recorder.draw(logits, inplace=True, rows=rows if dropped else None, batch_size=batch_size)
     if isinstance(recorder, MultinomialRecorder):
         probs = torch.nn.functional.softmax(recorder(ids, logits), dim=-1)  # generate's do_sample step
         return torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -155,6 +175,7 @@ def lean_decode(
     pad_token_id: int,
     recorder: BehaviourRecorder | None,
     cache: object | None = None,
+    drop_finished: bool = False,
 ) -> torch.Tensor:
     """The (B, T) tokens ``generate`` returns after the prompt (see the module docstring), T <= N.
 
@@ -166,34 +187,70 @@ def lean_decode(
         pad_token_id: put after a row's stop, never drawn.
         recorder: the sampler (records the behaviour log-probs); None = greedy.
         cache: the KV cache of the first ``L < P`` prompt columns (a shared group prefill), or None.
+        drop_finished: drop rows that have stopped from the batch the forwards run (see
+            :func:`_keep_rows`), where the sampler allows it (:func:`drops_rows`) and the cache is the
+            loop's own; else every row runs until all have stopped, as in ``generate``.
     """
     (B, P), N, device = input_ids.shape, max_new_tokens, input_ids.device
     ids = input_ids.new_full((B, P + N), pad_token_id)  # (B, P+N) prompt and response tokens
     ids[:, :P] = input_ids
-    mask = attention_mask.new_ones(B, P + N)  # (B, P+N)
+    mask = attention_mask.new_ones(B, P + N)  # (b, P+N), b = rows still in the batch
     mask[:, :P] = attention_mask
     positions = position_ids_from_mask(attention_mask)  # (B, P)
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     cache_name = cache_argument(model)
     stops = torch.tensor(stop_ids, device=device)
-    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    rows = torch.arange(B, device=device)  # (b,) which of the B rows the batch holds
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)  # (b,)
     start = 0 if cache is None else cache.get_seq_length()  # prompt columns already cached
     step_ids, step_positions = input_ids[:, start:], positions[:, start:]
+    drop_finished = drop_finished and drops_rows(recorder)
     for t in range(N):
         out = model(
             input_ids=step_ids, attention_mask=mask[:, : P + t], position_ids=step_positions, use_cache=True,
             **{cache_name: cache}, **extra,
         )  # fmt: skip
         cache = getattr(out, cache_name) if t else _growing(getattr(out, cache_name), P + N)
-        # (B, V) float32, overwritten by the suppression: a view of this forward's logits (nothing else
+        if not t:  # rows are dropped from the loop's own cache only
+            drop_finished = drop_finished and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+        # (b, V) float32, overwritten by the suppression: a view of this forward's logits (nothing else
         # reads them), contiguous as generate's copy
         logits = out.logits[:, -1].float().contiguous()
-        tokens = torch.where(
-            unfinished, _next_tokens(logits, recorder, ids[:, : P + t], pad_token_id), pad_token_id
-        )
-        ids[:, P + t] = tokens
+        drawn = _next_tokens(logits, recorder, ids[:, : P + t], pad_token_id, rows, B)  # (b,)
+        tokens = torch.where(unfinished, drawn, pad_token_id)  # (b,)
+        ids[rows, P + t] = tokens
         unfinished &= ~torch.isin(tokens, stops)
-        if not unfinished.any():  # one host read of B flags a step, as generate's stopping check
+        running = int(unfinished.sum())  # one host read of b flags a step, as generate's stopping check
+        if not running:
             return ids[:, P : P + t + 1]
         step_ids, step_positions = tokens[:, None], step_positions[:, -1:] + 1
+        if drop_finished and _worth_dropping(len(rows), running):
+            keep = _keep_rows(unfinished)  # (b',) positions in the batch
+            rows, unfinished, mask = rows[keep], unfinished[keep], mask[keep]
+            step_ids, step_positions = step_ids[keep], step_positions[keep]
+            for layer in cache.layers:
+                layer.keep_rows(keep)
     return ids[:, P:]
+
+
+# The batch never shrinks below this many rows: a BLAS multiplies one row by another path (a matrix-vector
+# product) whose float rounding differs from the matrix product's (measured: Intel MKL on a Xeon), while from
+# two rows on each row's products are the same whatever the batch (tests/test_lean_decode.py).
+MIN_ROWS = 2
+
+
+def _worth_dropping(batch: int, running: int) -> bool:
+    """Whether to drop the finished rows of a batch of ``batch`` rows with ``running`` unfinished: when at
+    least an eighth of them (one row in batches under 16) has finished and the batch can shrink; so a batch
+    of B rows is copied (its KV cache) at most ~log(B) / log(8/7) times."""
+    return batch > MIN_ROWS and batch - running >= max(1, batch // 8)
+
+
+def _keep_rows(unfinished: torch.Tensor) -> torch.Tensor:
+    """(b,) unfinished flags -> the positions to keep: every unfinished row, and the first finished ones
+    as fillers up to ``MIN_ROWS`` (their tokens are replaced by pad, as every finished row's)."""
+    keep = unfinished.nonzero().squeeze(1)  # (b',)
+    if len(keep) < MIN_ROWS:
+        fillers = (~unfinished).nonzero().squeeze(1)[: MIN_ROWS - len(keep)]
+        keep = torch.cat([keep, fillers]).sort().values
+    return keep

@@ -35,7 +35,9 @@ SAMPLERS = ("auto", "inverse_cdf", "multinomial")
 INVERSE_CDF_MIN_VOCAB = 8192
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def inverse_cdf_sample(
+    probs: torch.Tensor, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row, drawn with probability ``probs[b, i] / probs[b].sum()``.
 
     The first index whose cumulative probability reaches ``u``, with ``u`` uniform on ``(0, total]``. A
@@ -49,6 +51,8 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
     Args:
         probs: (B, V) non-negative float weights, each row with a positive sum (normalised or not).
         generator: random generator of the uniforms (the global one by default).
+        uniform: (B, 1) uniforms on [0, 1) already drawn (e.g. for a larger batch, of which these rows
+            are some); None draws them here.
 
     Returns:
         (B,) int64 token ids.
@@ -56,8 +60,9 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
     cdf = probs.cumsum(dim=-1)  # (B, V)
     if probs.device.type != "cpu":
         cdf = torch.where(probs > 0, cdf, 0).cummax(dim=-1).values  # (B, V)
-    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)  # [0, 1)
-    u = (1 - uniform) * cdf[:, -1:]  # (B, 1) in (0, total]
+    if uniform is None:
+        uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = (1 - uniform.to(cdf.dtype)) * cdf[:, -1:]  # (B, 1) in (0, total]
     return torch.searchsorted(cdf, u).squeeze(1)  # (B,) first i with cdf[i] >= u
 
 
@@ -207,18 +212,40 @@ class InverseCDFSampler(BehaviourRecorder):
         tokens = self.draw(scores)  # (B,)
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
-    def draw(self, scores: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-        """(B, V) processed scores -> (B,) the drawn tokens, recorded (what :meth:`__call__` returns as
-        one-hot scores; the lean decoding loop takes the tokens directly). ``inplace``: see ``_warp``."""
-        warped, log_total, suppressed = self._warp(None, scores, inplace)  # (B, V), (B,) or None, (B,) or None
-        probs = warped.softmax(dim=-1)  # (B, V)
-        tokens = inverse_cdf_sample(probs)  # (B,)
-        logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (B,)
-        self._logprobs.append(logprob)
+    def draw(
+        self,
+        scores: torch.Tensor,
+        inplace: bool = False,
+        rows: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ) -> torch.Tensor:
+        """(b, V) processed scores -> (b,) the drawn tokens, recorded (what :meth:`__call__` returns as
+        one-hot scores; the lean decoding loop takes the tokens directly). ``inplace``: see ``_warp``.
+
+        ``rows``: (b,) which rows of a batch of ``batch_size`` the scores are (the lean loop's unfinished
+        rows, once it has dropped finished ones). The uniforms are then drawn for the whole batch, as they
+        would be without the drop (the same random numbers for these rows, the same number consumed), and
+        the record holds (batch_size,) values, 0 at the other rows."""
+        warped, log_total, suppressed = self._warp(None, scores, inplace)  # (b, V), (b,) or None, (b,) or None
+        probs = warped.softmax(dim=-1)  # (b, V)
+        uniform = None
+        if rows is not None:
+            uniform = torch.rand(batch_size, 1, device=probs.device, dtype=probs.dtype)[rows]  # (b, 1)
+        tokens = inverse_cdf_sample(probs, uniform=uniform)  # (b,)
+        logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (b,)
+        self._logprobs.append(_to_batch(logprob, rows, batch_size))
         if self.keeps_less:
-            log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (B,) logsumexp(warped)
+            log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (b,) logsumexp(warped)
             self._record_kept_mass(log_kept, log_total, suppressed)
+            self._log_kept_mass[-1] = _to_batch(self._log_kept_mass[-1], rows, batch_size)
         return tokens
+
+
+def _to_batch(values: torch.Tensor, rows: torch.Tensor | None, batch_size: int | None) -> torch.Tensor:
+    """(b,) values of ``rows`` -> (batch_size,) with 0 at the other rows (``values`` itself when rows is None)."""
+    if rows is None:
+        return values
+    return values.new_zeros(batch_size).index_copy_(0, rows, values)  # (batch_size,)
 
 
 class MultinomialRecorder(BehaviourRecorder):

@@ -1,12 +1,12 @@
 """W1's generation against its limits: per-token decoding time of Hugging Face ``generate`` and of the lean
-loop (``generation.decode_loop``), against the matmul-bound floor, the weight-streaming floor and the
-memory-read floor.
+loop (``generation.decode_loop``, with and without ``generation.drop_finished``), against the matmul-bound
+floor, the weight-streaming floor and the memory-read floor.
 
 The W1 setting of ``grpo_bench.py``: the prebuilt 32,000-token actor (20.6M parameters), one prompt of
 ``grpo_prompts`` per rollout repeated K = 8 times, up to 64 new tokens at temperature 1, ``generate_responses``
-as the online modules call it (group prefill "auto", sampler "auto" = inverse CDF, transposed head). The two
-loops alternate (generate, lean, lean, generate, ...) with the same seed and prompt per pair, after one
-warm-up pair; each pair's tokens and behaviour log-probs are checked equal.
+as the online modules call it (group prefill "auto", sampler "auto" = inverse CDF, transposed head). The three
+loops (:data:`LOOPS`) run in rotating order with the same seed and prompt per round, after one warm-up round;
+each round's tokens and behaviour log-probs are checked equal to ``generate``'s.
 
 Per call: the prefill (until the end of the forwards of more than one token column) and the decoding steps
 (the rest, over the forwards of one column: one per response token). Floors per decoding step, both from
@@ -49,7 +49,12 @@ from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor, w1_generation_args  #
 
 from lit_rlhf.rollout import GenerationSettings, generate_responses  # noqa: E402
 
-LOOPS = ("generate", "lean")
+# the loops compared: generation settings of each (the lean loop with and without dropping finished rows)
+LOOPS = {
+    "generate": dict(decode_loop="generate"),
+    "lean, every row": dict(decode_loop="lean", drop_finished="never"),
+    "lean": dict(decode_loop="lean", drop_finished="always"),
+}
 
 
 def _read_rate(read, seconds: float = 1.0) -> float:
@@ -120,25 +125,31 @@ def main() -> None:
         "weight streaming": matmul_params * 4 / rate,
         "memory read": matmul_params * 4 / read,
     }
-    figures = {loop: {"step_ms": [], "prefill_s": [], "call_s": [], "steps": []} for loop in LOOPS}
+    figures = {loop: {"step_ms": [], "token_ms": [], "prefill_s": [], "call_s": [], "steps": []} for loop in LOOPS}
+    names = list(LOOPS)
     for repeat in range(args.repeats + 1):
         ids = torch.tensor([prompts[repeat % len(prompts)]["ids"]] * K)  # (K, P), no padding
         outs = {}
-        for loop in LOOPS if repeat % 2 == 0 else LOOPS[::-1]:
-            settings = replace(base, decode_loop=loop)
+        for loop in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotating order
+            settings = replace(base, **LOOPS[loop])
             torch.manual_seed(repeat)
             call = partial(
                 generate_responses, actor, ids, torch.ones_like(ids), settings, group_size=K,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             )  # fmt: skip
             prefill, decode, steps, outs[loop] = phases.timed(call)
-            if repeat:  # the first pair warms up
-                for key, value in (("step_ms", 1e3 * decode / steps), ("prefill_s", prefill),
-                                   ("call_s", prefill + decode), ("steps", steps)):  # fmt: skip
+            if repeat:  # the first round warms up
+                tokens = int(outs[loop].mask.sum())  # real response tokens (the group prefill's calls
+                # draw every one after a one-column forward, which counts as a decoding step)
+                for key, value in (("step_ms", 1e3 * decode / steps), ("token_ms", 1e3 * decode / tokens),
+                                   ("prefill_s", prefill), ("call_s", prefill + decode),
+                                   ("steps", steps)):  # fmt: skip
                     figures[loop][key].append(value)
-        a, b = outs["generate"], outs["lean"]
-        if not (torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)):
-            raise SystemExit(f"pair {repeat}: the lean loop's tokens or log-probs differ from generate's")
+        a = outs["generate"]
+        for loop in names[1:]:
+            b = outs[loop]
+            if not (torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)):
+                raise SystemExit(f"round {repeat}: {loop!r}'s tokens or log-probs differ from generate's")
     print(f"CPU: {cpu_model()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
     print(f"actor {params / 1e6:.2f}M parameters ({matmul_params / 1e6:.2f}M in matmuls), {K} rows; fp32 peak "
           f"{peak / 1e9:.0f} GFLOP/s, weight streaming {rate / 1e9:.1f} GB/s, "
@@ -146,23 +157,32 @@ def main() -> None:
     for name, floor in floors.items():
         print(f"floor per decoding step, {name}: {1e3 * floor:.2f} ms")
     print(
-        f"\nW1 generation, medians [min-max] over {args.repeats} pairs (same tokens and log-probs in each pair)"
+        f"\nW1 generation, medians [min-max] over {args.repeats} rounds (same tokens and log-probs in each round)."
+        f" A floor's share is floor / measured per decoding step ({K} rows); per real response token, the"
+        f" floor of one row (floor / {K}) over the decoding time per token"
     )
     print(
-        "| loop | decoding ms/step | "
-        + " | ".join(f"% of {n} floor" for n in floors)
+        "| loop | decoding ms/step | ms/response token | "
+        + " | ".join(f"% of {n} floor (step; token)" for n in floors)
         + " | prefill s | call s |"
     )
-    print("|---" * (4 + len(floors)) + "|")
+    print("|---" * (5 + len(floors)) + "|")
     for loop in LOOPS:
         f = figures[loop]
-        shares = [spread([100 * 1e3 * floor / ms for ms in f["step_ms"]]) for floor in floors.values()]
-        print(f"| {loop} | {spread(f['step_ms'])} | " + " | ".join(shares)
+        shares = [
+            spread([100 * 1e3 * floor / ms for ms in f["step_ms"]])
+            + "; " + spread([100 * 1e3 * floor / K / ms for ms in f["token_ms"]])
+            for floor in floors.values()
+        ]  # fmt: skip
+        print(f"| {loop} | {spread(f['step_ms'])} | {spread(f['token_ms'])} | " + " | ".join(shares)
               + f" | {spread(f['prefill_s'])} | {spread(f['call_s'])} |")  # fmt: skip
-    ratio = [g / lean for g, lean in zip(figures["generate"]["step_ms"], figures["lean"]["step_ms"])]
-    calls = [g / lean for g, lean in zip(figures["generate"]["call_s"], figures["lean"]["call_s"])]
-    print(f"speed-up generate/lean per pair: decoding step {spread(ratio)}, whole call {spread(calls)}; "
-          f"decoding steps per call {spread(figures['lean']['steps'])}")  # fmt: skip
+    for loop in names[1:]:
+        ratio = [g / x for g, x in zip(figures["generate"]["step_ms"], figures[loop]["step_ms"])]
+        calls = [g / x for g, x in zip(figures["generate"]["call_s"], figures[loop]["call_s"])]
+        print(f"speed-up generate / {loop} per round: decoding step {spread(ratio)}, whole call {spread(calls)}")
+    calls = [a / b for a, b in zip(figures["lean, every row"]["call_s"], figures["lean"]["call_s"])]
+    print(f"speed-up of dropping finished rows per round (whole call): {spread(calls)}; decoding steps per"
+          f" call {spread(figures['lean']['steps'])}")  # fmt: skip
     if args.json:
         summary = dict(cpu=cpu_model(), peak_gflops=peak / 1e9, streaming_gbs=rate / 1e9, read_gbs=read / 1e9,
                        floors_ms=floors, figures=figures, args=vars(args))  # fmt: skip
