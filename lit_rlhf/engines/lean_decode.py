@@ -14,7 +14,11 @@ logits) and the same draws in the same order (one step for every row until all r
   reads the same values, in the same layout per head);
 * ids, attention mask and tokens live in buffers of the final width, the forwards take views of them;
 * the inverse-CDF sampler returns its token (``InverseCDFSampler.draw``), suppressing the pad token in
-  the logits themselves (no copy); multinomial sampling and greedy decoding run as ``generate`` runs them.
+  the logits themselves (no copy); multinomial sampling and greedy decoding run as ``generate`` runs them;
+* with ``drop_finished`` (``generation.drop_finished``), rows that have stopped leave the batch the forwards
+  run (their cache, mask and positions index-selected; at least ``MIN_ROWS`` kept), where ``generate`` runs
+  them to the end only to replace their tokens by pad: under greedy decoding or the inverse-CDF sampler,
+  whose uniforms are still drawn for every row, so the remaining rows get the same logits and draws.
 
 What it supports is what ``generate_responses`` asks of ``generate``: left-padded prompts with explicit
 position ids, a cache continued after a shared group prefill, EOS and stop ids, the pad token suppressed,
@@ -234,8 +238,8 @@ def lean_decode(
 
 
 # The batch never shrinks below this many rows: a BLAS multiplies one row by another path (a matrix-vector
-# product) whose float rounding differs from the matrix product's (measured: Intel MKL on a Xeon), while from
-# two rows on each row's products are the same whatever the batch (tests/test_lean_decode.py).
+# product) whose float rounding differs from the matrix product's, while from two rows on each row's logits
+# were bit-identical whatever the batch (W1's actor at 2-8 rows, MKL on an Intel Xeon; scripts/bench/RESULTS.md).
 MIN_ROWS = 2
 
 
