@@ -5,9 +5,9 @@
 (``DynamicLayer.update``: a copy of the whole cache, ~2 ms a step for the W1 benchmark's 8 rows), copies the
 logits, grows the ids, mask and position ids by concatenation, runs its logits-processor and
 stopping-criteria lists, and takes the inverse-CDF sampler's token back by an argmax over one-hot scores.
-This loop runs the same forwards (the same inputs, shapes, positions, masks and cache contents, so the same
-logits) and the same draws in the same order (one step for every row until all rows stopped, as
-``generate``; so the same random numbers), without those:
+This loop runs the same forwards (the same inputs, positions, masks and cache contents, so the same logits;
+the same shapes unless finished rows are dropped, last item) and the same draws in the same order (one step
+for every row until all rows stopped, as ``generate``; so the same random numbers), without those:
 
 * the KV cache grows in place: after the prefill each ``DynamicLayer`` becomes a :class:`GrowingLayer`,
   a buffer of the final length whose keys and values are views of the filled columns (the attention
