@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ppo_helpers import prompt_loader, tiny_critic_free, tiny_ppo, trainer
 from torch import nn
 
-from lit_rlhf.models import embedding_grads
+from lit_rlhf.models import ModelSpec, embedding_grads, fused_head
 from lit_rlhf.models.embedding_grads import EmbeddingGradAccumulator, accumulated_embeddings
 
 V, H = 50, 6
@@ -154,20 +154,31 @@ def test_an_online_fit_trains_as_with_dense_gradients(algorithm, tokenizer_dir, 
         EmbeddingGradAccumulator, "attach", lambda self: (attached.append(len(self.embeddings)), attach(self))[1]
     )
 
+    targets = []  # the fused LM head's weight gradient added in place (models.fused_head) under "auto"
+    in_place_target = fused_head._in_place_target
+    monkeypatch.setattr(fused_head, "_in_place_target", lambda w: targets.append(in_place_target(w)) or targets[-1])
+
     def build(mode: str):
-        if algorithm == "ppo":
-            return tiny_ppo(tokenizer_dir, llama_config(), max_rollouts=2, update={"epochs": 2, "embedding_grads": mode})
+        if algorithm == "ppo":  # the LM head route, two micro-batches a minibatch
+            actor = ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, seed=0, logits_chunking="on")
+            return tiny_ppo(
+                tokenizer_dir, llama_config(), actor=actor, max_rollouts=2, scoring={"forward_batch_size": 2},
+                update={"epochs": 2, "embedding_grads": mode},
+            )  # fmt: skip
         return tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2, update={"embedding_grads": mode})
 
     dense = _trained(build("dense"), tokenizer_dir, tmp_path, "dense")
     assert attached and set(attached) == {0}
-    attached.clear()
+    assert set(targets) <= {None}
+    attached.clear(), targets.clear()
     module = build("auto")
     before = [p.detach().clone() for p in module.parameters()]
     rowwise = _trained(module, tokenizer_dir, tmp_path, "rowwise")
     # PPO on Llama: the actor's and the critic's token tables; GRPO on GPT-2: the position table (its token
     # table is tied to the LM head)
     assert attached and set(attached) == {2 if algorithm == "ppo" else 1}
+    if algorithm == "ppo":
+        assert targets and None not in targets
     assert all(not m.sparse for m in module.modules() if isinstance(m, nn.Embedding))
     # AdamW (lr 1e-2) moves every weight by ~1e-2 a step: the rounding of the sums stays far below one step
     assert max((a - b).abs().max().item() for a, b in zip(before, rowwise)) > 1e-2

@@ -211,3 +211,49 @@ def test_model_spec_switch(tokenizer_dir):
         assert head_settings(build_causal_lm(spec, tokenizer)) == {"force_chunks": False, "fused": fused}
     with pytest.raises(TypeError, match="fused_lm_head"):
         set_logits_chunking(torch.nn.Linear(2, 2), "auto", fused="yes")
+
+
+def _micro_batch_grads(in_place: bool, hooked: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Three micro-batches' backwards into one weight; returns weight.grad and the ids of the (V, H) tensors
+    autograd handed to AccumulateGrad (through a post-accumulate hook's view of ``.grad``)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(V, H, generator=gen, dtype=torch.float64))
+    seen: list[int] = []
+    if hooked:
+        weight.register_post_accumulate_grad_hook(lambda p: seen.append(id(p.grad)))
+    with fused_head_module.head_grads_in_place(in_place):
+        for n, chunk in [(4, 3), (7, 2), (1, 5)]:
+            hidden = torch.randn(n, H, generator=gen, dtype=torch.float64)
+            labels = torch.randint(0, V, (n,), generator=gen)
+            logp, ent, _ = fused_head_token_scores(
+                hidden, labels, weight, temperature=0.9, tokens_per_chunk=chunk, entropy=True
+            )
+            accumulate = logp.grad_fn.next_functions[2][0]  # the weight's AccumulateGrad node
+            handed: list[bool] = []
+            handle = accumulate.register_prehook(lambda grads: handed.append(grads[0] is not None))
+            buffer = weight.grad
+            (logp.sum() + 0.3 * ent.sum()).backward()
+            handle.remove()
+            # in place from the second micro-batch on: autograd gets no (V, H) gradient to add
+            assert handed == [buffer is None or not in_place or hooked]
+            assert buffer is None or weight.grad is buffer
+    return weight.grad, seen
+
+
+def test_head_grads_in_place_accumulate_into_the_existing_gradient():
+    plain, _ = _micro_batch_grads(in_place=False)
+    in_place, _ = _micro_batch_grads(in_place=True)
+    torch.testing.assert_close(in_place, plain, rtol=1e-12, atol=1e-12)
+    # a gradient hook on the weight (DDP, FSDP, optimiser-in-backward) must see every micro-batch: no in place
+    hooked, seen = _micro_batch_grads(in_place=True, hooked=True)
+    assert len(seen) == 3
+    torch.testing.assert_close(hooked, plain, rtol=1e-12, atol=1e-12)
+    # outside the block (or a non-parameter weight) nothing changes
+    weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    assert fused_head_module._in_place_target(weight) is None
+    with fused_head_module.head_grads_in_place():
+        assert fused_head_module._in_place_target(weight) is None
+        parameter = torch.nn.Parameter(weight.detach().clone())
+        assert fused_head_module._in_place_target(parameter) is parameter
+        assert fused_head_module._in_place_target(torch.nn.Parameter(weight.detach().bfloat16())) is None
+    assert fused_head_module._in_place_target(parameter) is None

@@ -13,6 +13,7 @@ from lit_rlhf.data.collators import PreferenceCollator
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
+    critic_values,
     build_score_model,
     disable_dropout,
     load_tokenizer,
@@ -239,3 +240,24 @@ def test_policy_log_probs_and_gradients_equal_the_whole_layer(tokenizer_dir, fam
         type(layer).forward = original
     assert True not in calls  # the last layer ran at the kept positions only
     assert_same(scored, whole)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama-eager"])
+def test_critic_values_and_gradients_equal_the_whole_layer(tokenizer_dir, family):
+    # PPO's critic reads its values at the T positions before each response token only
+    model = score_model(tokenizer_dir, FAMILIES[family])
+    ids, mask, _, T = rollout_rows(model.config.vocab_size)
+    set_scored_last_layer(model, False)
+    whole = scores_and_grads(model, lambda: critic_values(model, ids, mask, T))
+    set_scored_last_layer(model, True)
+    layer, calls = last_decoder_layer(model), []
+    original = type(layer).forward
+    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    try:
+        scored = scores_and_grads(model, lambda: critic_values(model, ids, mask, T))
+    finally:
+        type(layer).forward = original
+    assert True not in calls  # the last layer ran at the read positions only
+    assert scored[0].shape == (ids.shape[0], T)
+    assert_same(scored, whole)
+    assert critic_values(model, ids, mask, 0).shape == (ids.shape[0], 0)

@@ -99,8 +99,16 @@ def _chunked_policy_forward(
 def critic_values(
     critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
 ) -> torch.Tensor:
-    """(B, P+T) sequences -> (B, T) float32 values V(s_t), s_t = prompt + response[:t]."""
-    return token_values(critic, input_ids, attention_mask)[:, -response_length - 1 : -1]
+    """(B, P+T) sequences -> (B, T) float32 values V(s_t), s_t = prompt + response[:t].
+
+    Only the T positions P-1 .. P+T-2 are read, so the critic's last decoder layer runs at those alone where
+    it can (``models.last_layer``): the prompt's positions need only that layer's keys and values.
+    """
+    B, L = input_ids.shape
+    T = response_length
+    read = torch.arange(L - T - 1, L - 1, device=input_ids.device).expand(B, -1)  # (B, T)
+    scored = (read, None) if 0 < T < L else None
+    return token_values(critic, input_ids, attention_mask, scored=scored)[:, L - T - 1 : L - 1]  # (B, T)
 
 
 def reward_model_scores(

@@ -83,8 +83,10 @@ class UpdateSettings(Settings):
             ``auto`` corrects (TIS, C = 2) only for an engine that is not the trainer's own policy.
         embedding_grads: ``auto`` accumulates the input embeddings' gradients row by row, in place, into one
             dense gradient per optimiser step where that changes nothing but the cost (one process, CPU,
-            untied tables of >= 2**20 weights; ``lit_rlhf.models.embedding_grads``); ``dense`` keeps the plain
-            backward's (V, H) gradient per micro-batch. Equal up to the order of float additions.
+            untied tables of >= 2**20 weights; ``lit_rlhf.models.embedding_grads``), and the fused LM head's
+            (the output embedding's) micro-batch by micro-batch into the weight's gradient (one process;
+            ``lit_rlhf.models.fused_head``); ``dense`` keeps the plain backwards' (V, H) gradient per
+            micro-batch. Equal up to the order of float additions.
     """
 
     group: ClassVar[str] = "update"

@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 from lit_rlhf import functional as F
 from lit_rlhf.guards import check_finite_weights
 from lit_rlhf.models.embedding_grads import EmbeddingGradAccumulator
+from lit_rlhf.models.fused_head import head_grads_in_place
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import clip_grad_norm
 from lit_rlhf.modules.metrics import accumulate_stats
@@ -47,10 +48,11 @@ class OnlineUpdate(LightningModule):
         params = [p for opt, _ in optimized for group in opt.param_groups for p in group["params"]]
         stepped = False
         self.engine.sleep()
-        # one process: the input embeddings' gradients accumulate row by row in place (models.embedding_grads)
+        # one process: the input embeddings' gradients accumulate row by row in place (models.embedding_grads),
+        # the fused LM head's micro-batch by micro-batch (models.fused_head)
         rowwise = self.update.embedding_grads == "auto" and self.trainer.world_size == 1
         embeddings = EmbeddingGradAccumulator([m for _, m in optimized], enabled=rowwise)
-        with embeddings:
+        with embeddings, head_grads_in_place(rowwise):
             for _ in range(self.update.epochs):
                 epoch_kl = []
                 for mb in self.buffer.minibatches():
