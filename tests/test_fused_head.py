@@ -230,7 +230,7 @@ def _micro_batch_grads(in_place: bool, hooked: bool = False) -> tuple[torch.Tens
             )
             accumulate = logp.grad_fn.next_functions[2][0]  # the weight's AccumulateGrad node
             handed: list[bool] = []
-            handle = accumulate.register_prehook(lambda grads: handed.append(grads[0] is not None))
+            handle = accumulate.register_prehook(lambda grads, handed=handed: handed.append(grads[0] is not None))
             buffer = weight.grad
             (logp.sum() + 0.3 * ent.sum()).backward()
             handle.remove()

@@ -13,8 +13,8 @@ from lit_rlhf.data.collators import PreferenceCollator
 from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
-    critic_values,
     build_score_model,
+    critic_values,
     disable_dropout,
     load_tokenizer,
     packed_policy_forward,
