@@ -248,6 +248,21 @@ def test_head_grads_in_place_accumulate_into_the_existing_gradient():
     hooked, seen = _micro_batch_grads(in_place=True, hooked=True)
     assert len(seen) == 3
     torch.testing.assert_close(hooked, plain, rtol=1e-12, atol=1e-12)
+    # torch.autograd.grad returns the gradient and leaves .grad alone, in the block too
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(V, H, generator=gen, dtype=torch.float64))
+    weight.grad = torch.ones_like(weight)
+    hidden = torch.randn(4, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (4,), generator=gen)
+    want = torch.autograd.grad(fused_head_token_scores(hidden, labels, weight, tokens_per_chunk=3)[0].sum(), weight)
+    with fused_head_module.head_grads_in_place():
+        logp = fused_head_token_scores(hidden, labels, weight, tokens_per_chunk=3)[0].sum()
+        got = torch.autograd.grad(logp, weight)
+        logp = fused_head_token_scores(hidden, labels, weight, tokens_per_chunk=3)[0].sum()
+        (only_hidden,) = torch.autograd.grad(logp, hidden)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert only_hidden.shape == hidden.shape
+    assert torch.equal(weight.grad, torch.ones_like(weight))  # untouched by either call
     # outside the block (or a non-parameter weight) nothing changes
     weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
     assert fused_head_module._in_place_target(weight) is None

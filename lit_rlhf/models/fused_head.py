@@ -22,7 +22,9 @@ Within :func:`head_grads_in_place` (one process only: DDP and FSDP hook each par
 accumulates it) a backward that finds a dense ``weight.grad`` already there (a minibatch's second micro-batch
 on) adds its chunks' products into it with ``addmm_`` and returns no weight gradient: the plain path writes a
 fresh (V, H) tensor per micro-batch (32.8 MB at V = 32,000, H = 256) that autograd then adds to
-``weight.grad``, two passes over memory per backward. Equal up to the order of float additions.
+``weight.grad``, two passes over memory per backward. Equal up to the order of float additions. Only where the
+backward adds into ``.grad`` anyway: a ``torch.autograd.grad`` call, a weight with gradient hooks or in
+bfloat16 take the plain path.
 
 Shapes: N scored tokens, H hidden size, V vocabulary, n tokens of one chunk.
 """
@@ -107,6 +109,14 @@ def fused_head_token_scores(
     return logprobs, ent if entropy else None, top if argmax else None
 
 
+def _accumulates(node: torch.autograd.graph.Node) -> bool:
+    """Whether the running backward will call ``node`` (the weight's AccumulateGrad), i.e. add into ``.grad``."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # an older or newer torch without it: the plain path
+        return False
+
+
 class _FusedHeadScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, labels, weight, bias, options):
@@ -125,6 +135,9 @@ class _FusedHeadScores(torch.autograd.Function):
         logprobs, entropies, lse, top = torch.cat(logprobs), torch.cat(entropies), torch.cat(lses), torch.cat(tops)
         ctx.options = options
         ctx.in_place = _in_place_target(weight)  # the parameter itself (a leaf that outlives the graph) or None
+        # its AccumulateGrad node: a backward adds in place only when that node runs (a .backward() into the
+        # leaves, not torch.autograd.grad, which returns the gradient instead)
+        ctx.accumulator = None if ctx.in_place is None else torch.autograd.graph.get_gradient_edge(weight).node
         ctx.save_for_backward(hidden, labels, weight, bias, lse, entropies, *kept)
         # one call: each call replaces the set of non-differentiable outputs
         ctx.mark_non_differentiable(top, *(() if want_entropy and entropy_grad else (entropies,)))
@@ -142,6 +155,8 @@ class _FusedHeadScores(torch.autograd.Function):
         # written by the first chunk's product, accumulated into by the others: no (V, H) zero fill; or, under
         # head_grads_in_place, the gradient already there accumulates every chunk's
         existing = ctx.in_place.grad if need_weight and ctx.in_place is not None else None
+        if existing is not None and not _accumulates(ctx.accumulator):
+            existing = None
         in_place = (
             existing is not None and existing.layout == torch.strided and existing.shape == weight.shape
             and existing.dtype == acc_dtype and existing.device == weight.device and not existing.requires_grad
