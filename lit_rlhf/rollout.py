@@ -70,6 +70,10 @@ class GenerationSettings(Settings):
             have stopped, as in ``generate``. The same tokens and random draws (a dropped row would only
             have drawn tokens replaced by pad); greedy decoding and the inverse-CDF sampler only
             (``torch.multinomial``'s draws depend on the batch's shape), at least two rows kept.
+        record_entropy: the sampler also records each step's entropy of the whole tempered distribution
+            (``Responses.entropy``; one more softmax over the vocabulary a step). The online modules set it
+            for the rollouts whose old log-probs come from the sampler (``scoring.old_logprobs``); engines
+            that cannot tell leave ``Responses.entropy`` None.
     """
 
     group: ClassVar[str] = "generation"
@@ -86,6 +90,7 @@ class GenerationSettings(Settings):
     transposed_head: bool = True
     decode_loop: str = "auto"
     drop_finished: str = "auto"
+    record_entropy: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -311,3 +311,50 @@ def test_truncated_logprobs_checks_its_inputs():
         F.truncated_logprobs(logits, labels, top_p=0.0)
     with pytest.raises(ValueError, match="`temperature` must be > 0"):
         F.truncated_logprobs(logits, labels, temperature=0.0)
+
+
+# -- the entropy record (GenerationSettings.record_entropy) -------------------------------------------------
+
+
+def test_tempered_entropy_by_hand():
+    from lit_rlhf.models.sampling import tempered_entropy
+
+    scores = torch.tensor([[0.0, 0.0, -INF, 0.0, 0.0], [math.log(3.0), 0.0, -INF, -INF, -INF]])
+    # uniform over 4 tokens: log 4; probabilities (3/4, 1/4): -(3/4 log 3/4 + 1/4 log 1/4)
+    expected = torch.tensor([math.log(4.0), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))])
+    torch.testing.assert_close(tempered_entropy(scores), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+@pytest.mark.parametrize("decode_loop, drop_finished", [("generate", "never"), ("lean", "never"), ("lean", "always")])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)], ids=["plain", "truncated"])
+def test_the_entropy_record_is_the_scoring_forwards_entropy(tokenizer_dir, sampler, decode_loop, drop_finished,
+                                                            temperature, top_k, top_p):  # fmt: skip
+    # the entropy of the whole tempered distribution (pad not suppressed, nothing truncated) at every response
+    # token, as policy_forward computes it; the tokens and log-probs are those of the run without the record
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    settings = GenerationSettings(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  num_samples=K, sampler=sampler, decode_loop=decode_loop,
+                                  drop_finished=drop_finished)  # fmt: skip
+    probe = _generate(model, tok, ids, mask, settings)
+    settings = replace(settings, stop_token_ids=probe.ids[probe.mask].bincount().topk(2).indices.tolist())
+    plain = _generate(model, tok, ids, mask, settings, seed=3)
+    out = _generate(model, tok, ids, mask, replace(settings, record_entropy=True), seed=3)
+    assert plain.entropy is None
+    assert torch.equal(out.ids, plain.ids) and torch.equal(out.logprobs, plain.logprobs)
+    assert (out.mask.sum(dim=1) < out.ids.shape[1]).any(), "some rows stop early"
+    assert out.entropy.dtype == torch.float32 and (out.entropy[~out.mask] == 0).all()
+    scored, _ = _teacher_forced_logits(model, ids, mask, out, tok.pad_token_id)
+    expected = F.entropy_from_logits(scored, temperature)  # (B, T)
+    torch.testing.assert_close(out.entropy[out.mask], expected[out.mask], atol=1e-5, rtol=0)
+    # the sampler's old log-probs on the trainer's support: what the scoring forward computes
+    scoring = torch.log_softmax(scored / temperature, dim=-1).gather(-1, out.ids[..., None]).squeeze(-1)
+    torch.testing.assert_close((out.logprobs + out.log_kept_mass)[out.mask], scoring[out.mask], atol=1e-5, rtol=0)
+
+
+def test_greedy_records_no_entropy(tokenizer_dir):
+    tok, model = _model(tokenizer_dir, llama_config())
+    ids, mask = _prompts(tok)
+    out = _generate(model, tok, ids, mask, GenerationSettings(max_new_tokens=4, record_entropy=True), greedy=True)
+    assert out.entropy is None and out.logprobs is None

@@ -199,7 +199,8 @@ def test_old_logprobs_from_the_update_equal_the_scoring_forward(tokenizer_dir, t
     def run(root, from_update):
         torch.manual_seed(0)
         module = tiny_critic_free(
-            tokenizer_dir, gpt2_config(), kl={"coef": 0.0, "loss_coef": 0.05}, scoring={"forward_batch_size": 4},
+            tokenizer_dir, gpt2_config(), kl={"coef": 0.0, "loss_coef": 0.05},
+            scoring={"forward_batch_size": 4, "old_logprobs": "forward"},  # not the sampler's record
             update={"epochs": 1, "num_minibatches": 1, "old_logprobs_from_update": from_update}, max_rollouts=3,
         )  # fmt: skip
         calls = []

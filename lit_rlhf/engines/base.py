@@ -33,6 +33,9 @@ class Responses(NamedTuple):
             tell (vLLM: the trainer-vs-engine ratio then includes the dropped mass).
         loss_mask: (B, T) bool, the tokens the policy emitted and learns from (None = ``mask``: a
             single-turn response; a multi-turn one has holes where tool or environment tokens are).
+        entropy: (B, T) float32 entropy of the whole tempered distribution each token was drawn at (no
+            truncation, nothing suppressed: a scoring forward's entropy); 0 where ``mask`` is 0. Only when
+            ``GenerationSettings.record_entropy`` asked for it and the engine can tell; else None.
     """
 
     ids: torch.Tensor
@@ -41,6 +44,7 @@ class Responses(NamedTuple):
     logprobs: torch.Tensor | None = None
     log_kept_mass: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class RolloutEngine(ABC):
@@ -124,7 +128,7 @@ def check_responses(out: Responses, prompts: torch.Tensor, settings: Any) -> Res
             f"rollout engine: responses of shape {tuple(out.ids.shape)} for {B} prompt rows and "
             f"max_new_tokens={settings.max_new_tokens}; expected (B, T) with T <= max_new_tokens"
         )
-    for name in ("mask", "logprobs", "log_kept_mass", "loss_mask"):
+    for name in ("mask", "logprobs", "log_kept_mass", "loss_mask", "entropy"):
         value = getattr(out, name)
         if value is not None and tuple(value.shape) != tuple(out.ids.shape):
             raise ValueError(f"rollout engine: Responses.{name} has shape {tuple(value.shape)}, ids {tuple(out.ids.shape)}")

@@ -90,7 +90,8 @@ def generation_kwargs(
         inverse_cdf = resolve_sampler(settings.sampler, input_ids.device, vocab_size) == "inverse_cdf"
         # the recorder suppresses the pad token itself (generate would, before it): see BehaviourRecorder
         recorder = (InverseCDFSampler if inverse_cdf else MultinomialRecorder)(
-            settings.temperature, settings.top_k, settings.top_p, suppress_ids=[pad_token_id]
+            settings.temperature, settings.top_k, settings.top_p, suppress_ids=[pad_token_id],
+            entropy=settings.record_entropy,
         )
         sampling = dict(do_sample=not inverse_cdf, **off, logits_processor=LogitsProcessorList([recorder]))
     return dict(
@@ -139,7 +140,7 @@ def generate_responses(
 
     Returns:
         ``Responses`` (``lit_rlhf.engines.base``), T <= max_new_tokens; logprobs and log_kept_mass None when
-        greedy, loss_mask None. The pad token is never sampled (probability 0): its tempered mass counts as
+        greedy, entropy None unless ``settings.record_entropy`` (and greedy), loss_mask None. The pad token is never sampled (probability 0): its tempered mass counts as
         not kept, like a truncation's, so ``logprobs + log_kept_mass`` is still the token's log-prob under
         the whole tempered distribution, the one a scoring forward computes.
 
@@ -201,12 +202,13 @@ def _responses(
     truncated = ~has_stop & (lengths >= max_new_tokens)
     if recorder is None:
         return Responses(responses, response_mask, truncated)
-    logprobs, log_kept_mass = recorder.behaviour(responses)  # (B, T) each
+    logprobs, log_kept_mass, entropy = recorder.behaviour(responses)  # (B, T) each (entropy or None)
     zero = logprobs.new_zeros(())
     return Responses(
         responses, response_mask, truncated,
         logprobs=torch.where(response_mask, logprobs, zero),
         log_kept_mass=torch.where(response_mask, log_kept_mass, zero),
+        entropy=None if entropy is None else torch.where(response_mask, entropy, zero),
     )  # fmt: skip
 
 

@@ -18,6 +18,10 @@ warpers itself as the last processor of ``generate(do_sample=True)`` (with ``gen
 off), so it sees the scores ``torch.multinomial`` draws from, and reads each drawn token from
 ``input_ids`` at the next step. :meth:`BehaviourRecorder.behaviour` stacks the record after ``generate``.
 
+With ``entropy=True`` they also record each step's entropy of the whole tempered distribution (before the
+pad's suppression and any truncation): what a scoring forward's entropy is, so an online module whose old
+log-probs come from the sampler (``scoring.old_logprobs``) needs no actor forward for its rollout entropy.
+
 Shapes: B rows, V vocabulary entries, N decoding steps, T response length.
 """
 
@@ -77,6 +81,16 @@ def log_normaliser(scores: torch.Tensor) -> torch.Tensor:
     return scores.amax(dim=-1) - scores.softmax(dim=-1).amax(dim=-1).log()
 
 
+def tempered_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """(B, V) tempered scores -> (B,) entropy of their softmax, ``logsumexp(z) - sum(softmax(z) * z)``
+    (:func:`lit_rlhf.functional.entropy_from_logits` on one step, with one softmax for both terms). Scores
+    at -inf (probability 0) add nothing."""
+    probs = scores.softmax(dim=-1)  # (B, V)
+    log_z = scores.amax(dim=-1) - probs.amax(dim=-1).log()  # (B,) logsumexp, as log_normaliser
+    finite = torch.where(probs > 0, scores, 0.0)  # (B, V) no 0 * -inf
+    return log_z - (probs * finite).sum(dim=-1)  # (B,)
+
+
 class BehaviourRecorder(LogitsProcessor):
     """The warpers of ``generate(do_sample=True)`` and a record of each drawn token's behaviour log-prob.
 
@@ -100,12 +114,20 @@ class BehaviourRecorder(LogitsProcessor):
         top_k: keep only the k most likely tokens (0 = off).
         top_p: nucleus sampling mass (1.0 = off).
         suppress_ids: token ids never drawn (probability 0), whose mass is counted as not kept.
+        entropy: also record each step's (B,) entropy of the whole tempered distribution (one more softmax
+            and reduction over (B, V) a step; :func:`tempered_entropy`).
     """
 
     def __init__(
-        self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()
+        self,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        suppress_ids: Sequence[int] = (),
+        entropy: bool = False,
     ) -> None:
         self.suppress_ids = list(suppress_ids)
+        self.records_entropy = entropy
         if temperature <= 0:
             raise ValueError(f"{type(self).__name__}: temperature must be > 0, got {temperature}")
         self.temperature = None if temperature == 1.0 else TemperatureLogitsWarper(float(temperature))
@@ -118,6 +140,8 @@ class BehaviourRecorder(LogitsProcessor):
         self.warpers = LogitsProcessorList([*tempering, *self.truncation])  # generate's order
         self._logprobs: list[torch.Tensor] = []  # per step: (B,) log-prob of the drawn token
         self._log_kept_mass: list[torch.Tensor] = []  # per step: (B,), only with a truncation
+        self._entropy: list[torch.Tensor] = []  # per step: (B,), only with entropy=True
+        self._step_entropy: torch.Tensor | None = None  # the last _warp's (b,) entropy
 
     @property
     def truncates(self) -> bool:
@@ -139,6 +163,8 @@ class BehaviourRecorder(LogitsProcessor):
         if self.temperature is not None:
             scores = self.temperature(input_ids, scores)
             inplace = True  # a new tensor
+        if self.records_entropy:  # of the whole tempered distribution, before the suppression
+            self._step_entropy = tempered_entropy(scores)  # (B,)
         suppressed = None
         if self.suppress_ids:  # as generate's SuppressTokensLogitsProcessor, after tempering (same scores)
             ids = torch.tensor(self.suppress_ids, device=scores.device)
@@ -160,7 +186,7 @@ class BehaviourRecorder(LogitsProcessor):
             total = torch.logaddexp(total, suppressed)  # (B,)
         self._log_kept_mass.append(log_kept - total)
 
-    def behaviour(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def behaviour(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The record of one ``generate`` call, stacked, for its T response tokens; the record is cleared.
 
         Steps past the T columns (a deferred stop check that ``generate`` undid) are dropped.
@@ -172,6 +198,8 @@ class BehaviourRecorder(LogitsProcessor):
             logprobs: (B, T) float32 log-prob of each token under the warped distribution it was drawn
                 from (-inf where ``generate`` put a pad token after a row finished, as pad is suppressed).
             log_kept_mass: (B, T) float32 log of the tempered mass the truncation kept (0 without one).
+            entropy: (B, T) float32 entropy of the whole tempered distribution at each step (None unless
+                the recorder was built with ``entropy=True``).
         """
         t = tokens.shape[1]
         self._finish(tokens)
@@ -182,8 +210,9 @@ class BehaviourRecorder(LogitsProcessor):
             log_kept_mass = torch.stack(self._log_kept_mass[:t], dim=1).float()  # (B, T)
         else:
             log_kept_mass = torch.zeros_like(logprobs)
-        self._logprobs, self._log_kept_mass = [], []
-        return logprobs, log_kept_mass
+        entropy = torch.stack(self._entropy[:t], dim=1).float() if self.records_entropy else None  # (B, T)
+        self._logprobs, self._log_kept_mass, self._entropy = [], [], []
+        return logprobs, log_kept_mass, entropy
 
     def _finish(self, tokens: torch.Tensor) -> None:
         """Complete the record from the returned tokens (a subclass that learns its tokens late)."""
@@ -234,6 +263,8 @@ class InverseCDFSampler(BehaviourRecorder):
         tokens = inverse_cdf_sample(probs, uniform=uniform)  # (b,)
         logprob = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (b,)
         self._logprobs.append(_to_batch(logprob, rows, batch_size))
+        if self.records_entropy:
+            self._entropy.append(_to_batch(self._step_entropy, rows, batch_size))
         if self.keeps_less:
             log_kept = warped.gather(1, tokens[:, None]).squeeze(1) - logprob  # (b,) logsumexp(warped)
             self._record_kept_mass(log_kept, log_total, suppressed)
@@ -268,15 +299,22 @@ class MultinomialRecorder(BehaviourRecorder):
     """
 
     def __init__(
-        self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()
+        self,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        suppress_ids: Sequence[int] = (),
+        entropy: bool = False,
     ) -> None:
-        super().__init__(temperature, top_k, top_p, suppress_ids)
+        super().__init__(temperature, top_k, top_p, suppress_ids, entropy)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (B, V) scores, (B,) lse
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) warped scores (generate samples their softmax)."""
         self._take_pending(input_ids[:, -1])
         warped, log_total, suppressed = self._warp(input_ids, scores)  # (B, V), (B,) or None, (B,) or None
+        if self.records_entropy:
+            self._entropy.append(self._step_entropy)
         log_kept = log_normaliser(warped)  # (B,)
         if self.keeps_less:
             self._record_kept_mass(log_kept, log_total, suppressed)

@@ -91,6 +91,10 @@ class CriticFreeModule(OnlineRLModule):
         return update.old_logprobs_from_update and one_step and self.kl.coef == 0  # (kl.target needs coef > 0)
 
     @override
+    def wants_rollout_policy_terms(self) -> bool:
+        return not self.on_policy_update
+
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.restore_rng()
         # 1. Generate K responses per prompt with the current policy (each prompt's K rows contiguous).
@@ -100,7 +104,9 @@ class CriticFreeModule(OnlineRLModule):
         #    entropy unless the update's one on-policy step computes them (None then; never for a rollout
         #    the engine/trainer correction weights, whose weights need them now).
         on_policy = self.on_policy_update and self.correction_mode(sample.responses) is None
-        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, policy=not on_policy)
+        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(
+            ids, attention, T, policy=not on_policy, responses=sample.responses
+        )
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores)
         # 3. Advantages of the chosen estimator, per token.
         advantages = self.estimate_advantages(scores, old_logprobs, ref_logprobs, mask, keep)

@@ -48,6 +48,7 @@ from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
 from lit_rlhf.modules.online_eval import OnlineEvaluation
 from lit_rlhf.modules.online_generation import OnlineGeneration
 from lit_rlhf.modules.online_migration import migrate_checkpoint_hparams, moved_hint
+from lit_rlhf.modules.online_old_logprobs import OldLogprobSource
 from lit_rlhf.modules.online_scoring import RolloutScoring
 from lit_rlhf.modules.online_settings import (
     EvaluationSettings,
@@ -73,7 +74,9 @@ _LOADING_CHECKPOINT: ContextVar[bool] = ContextVar("lit_rlhf_loading_checkpoint"
 
 
 @internal_base
-class OnlineRLModule(OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutScoring, OnlineBookkeeping):
+class OnlineRLModule(
+    OnlineGeneration, OnlineUpdate, OnlineEvaluation, RolloutScoring, OldLogprobSource, OnlineBookkeeping
+):
     """Shared parts of the on-policy RLHF modules (manual optimisation, one rollout per ``training_step``).
 
     The contract with an algorithm (a subclass):

@@ -223,7 +223,7 @@ class OnlineDPOModule(OnlineRLModule):
         sample = self.sample(batch)
         ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: old and reference log-probs, entropy, and the sequence scores.
-        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T)
+        old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, responses=sample.responses)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
         kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, mask)  # (B,)

@@ -106,7 +106,7 @@ class OnlineGeneration(LightningModule):
     def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
         """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
         joined to their prompts as the (B, P+T) rows the trainer scores, with the batch's ``columns``."""
-        return self.rollout_sample(batch, self.generation)
+        return self.rollout_sample(batch, self.rollout_generation())
 
     def rollout_sample(
         self, batch: dict[str, torch.Tensor], settings: GenerationSettings, greedy: bool = False

@@ -109,11 +109,16 @@ class RolloutScoring(LightningModule):
         return ref_logprobs
 
     @torch.no_grad()
-    def score_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, policy: bool = True):
+    def score_rollout(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, policy: bool = True, responses=None
+    ):
         """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
 
         ``policy=False`` runs the reference forward only (old log-probs, values and entropy are None): for
         an update whose one optimiser step takes them from its own forward (``old_logprobs_from_update``).
+        ``responses``: the rollout's ``Responses``; where its sampler's record stands in for the actor's
+        forward (``scoring.old_logprobs``, :meth:`sampled_policy_terms`), the old log-probs and entropy are
+        that record and the actor's forward is skipped (the critic's values, if any, still run).
 
         Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
         :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
@@ -121,6 +126,7 @@ class RolloutScoring(LightningModule):
         reference forwards share one shared-prompt layout when ``shared_prefix`` packs it (each prompt's
         K rows are then kept in one micro-batch).
         """
+        sampled = self.sampled_policy_terms(responses) if policy and responses is not None else None
         parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
         group_size = 1 if self.shared_prefix == "off" else self.num_samples
         batches = self.micro_batches(attention_mask, T, group_size)
@@ -129,12 +135,21 @@ class RolloutScoring(LightningModule):
             layout = self.shared_prefix_layout(ids, mask, t)
             # (a subclass whose forwards have no packed form keeps shared_prefix off: layout is None)
             extra = {} if layout is None else {"layout": layout}
-            logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra) if policy else (None,) * 3
+            if policy and sampled is None:
+                logprobs, entropy, values = self.policy_and_values(ids, mask, t, **extra)
+            else:
+                logprobs, entropy, values = None, None, self.rollout_values(ids, mask, t) if policy else None
             ref_logprobs = self.reference_logprobs(ids, mask, t, layout=layout)
             for key, value in zip(parts, (logprobs, ref_logprobs, values, entropy)):
                 parts[key].append(value)
         n, rows = input_ids.shape[0], [b[0] for b in batches]
-        return tuple(None if v[0] is None else scatter_rows(v, rows, n, T) for v in parts.values())
+        old, ref, values, entropy = (None if v[0] is None else scatter_rows(v, rows, n, T) for v in parts.values())
+        return (old, ref, values, entropy) if sampled is None else (sampled[0], ref, values, sampled[1])
+
+    def rollout_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
+        """(B, T) the critic's values of a scoring micro-batch when the actor's forward is skipped (None here:
+        no critic; a module whose values need the actor's forward says so in ``policy_forward_needed``)."""
+        return None
 
     def micro_batches(self, attention_mask: torch.Tensor, T: int, group_size: int = 1) -> list[MicroBatch]:
         """(rows, columns, t) of the forwards over (B, P+T) rollout rows: at most ``forward_batch_size``

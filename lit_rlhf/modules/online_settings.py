@@ -232,6 +232,12 @@ class ScoringSettings(Settings):
             naming the rollout, the scorer and the prompt/response, before anything is learnt from it) or
             ``drop`` (those rows get no gradient and are counted in ``rollout/nonfinite_scores``).
             Non-finite losses or gradients are always skipped.
+        old_logprobs: where the rollout's old log-probs (and its logged entropy) come from
+            (``lit_rlhf.modules.online_old_logprobs``): ``auto`` (default) from the sampler that drew the
+            tokens where it samples from the trainer's own policy in full precision (the Hugging Face
+            engine, ``precision: 32-true``, single-turn, no engine/trainer correction, no value head on
+            the actor): the same figures to float rounding, without the actor's scoring forward; else from
+            that forward. ``sampler`` the same, or an error saying why not; ``forward`` always the forward.
     """
 
     group: ClassVar[str] = "scoring"
@@ -242,6 +248,7 @@ class ScoringSettings(Settings):
     score_clip: float | None = None
     missing_eos_penalty: float | None = None
     on_nonfinite: Literal["raise", "drop"] = "raise"
+    old_logprobs: Literal["auto", "sampler", "forward"] = "auto"
 
     def __post_init__(self) -> None:
         self.bucketing = Bucketing.coerce(self.bucketing, "scoring.bucketing")
@@ -250,6 +257,7 @@ class ScoringSettings(Settings):
         self.require("score_clip", _positive_or_none(self.score_clip), "> 0 or None")
         self.require_choice("shared_prefix", ("auto", "on", "off"))
         self.require_choice("on_nonfinite", ("raise", "drop"))
+        self.require_choice("old_logprobs", ("auto", "sampler", "forward"))
 
 
 @dataclass

@@ -102,7 +102,7 @@ class PPOModule(OnlineRLModule):
         sample = self.sample(batch)
         ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: old/ref log-probs, old values, sequence scores.
-        old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(ids, attention, T)
+        old_logprobs, ref_logprobs, old_values, entropy = self.score_rollout(ids, attention, T, responses=sample.responses)
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores)
         # 3. KL-shaped per-token rewards (InstructGPT, arXiv:2203.02155 eq. 2), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(scores, old_logprobs, ref_logprobs, mask, self.kl_ctl.value, self.kl.estimator)
@@ -139,6 +139,17 @@ class PPOModule(OnlineRLModule):
             shared_values if self.critic is None else critic_values(self.critic, input_ids, attention_mask, T)
         )
         return logprobs, entropy, values
+
+    @override
+    def rollout_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+        """The critic's values V(s_t) alone (the old log-probs came from the sampler)."""
+        return critic_values(self.critic, input_ids, attention_mask, T)
+
+    @override
+    def policy_forward_needed(self) -> str | None:
+        if self.critic is None:
+            return "share_critic_backbone: the value head reads the actor's hidden states"
+        return super().policy_forward_needed()
 
     def log_critic_stats(self, values, advantages, returns, mask) -> None:
         """The critic's and GAE's per-rollout statistics (before advantage whitening), as ``ppo/...``."""
