@@ -90,7 +90,9 @@ class OnlineRLModule(
       class of each settings argument), ``packed_forwards`` (whether its forwards have a shared-prompt form);
     - ``training_step`` (numbered steps over :meth:`sample`, :meth:`score_rollout`,
       :meth:`score_responses`, :meth:`run_update_epochs`, :meth:`finish_rollout`) and
-      ``configure_optimizers``.
+      ``configure_optimizers``; it passes the sample's ``responses`` to :meth:`score_rollout`, so the
+      sampler's record can stand in for the actor's scoring forward (``scoring.old_logprobs``), and says
+      in ``policy_forward_needed`` / ``rollout_values`` what else its scoring needs (PPO: the critic).
 
     The contract is checked when the module is constructed, and each loss's stats when it returns them.
 
