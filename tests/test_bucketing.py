@@ -272,7 +272,10 @@ def test_ppo_update_is_the_same_with_bucketing(tokenizer_dir, tmp_path, config):
 
     def build(bucketing):
         return tiny_ppo(
-            tokenizer_dir, config, cls=Recording, scoring={"bucketing": bucketing}, critic_optimizer=sgd,
+            # old_logprobs: forward: the actor's scoring forward is what bucketing must leave unchanged (the
+            # sampler's record would make the run's KL a difference of two roundings, ~1e-7)
+            tokenizer_dir, config, cls=Recording, scoring={"bucketing": bucketing, "old_logprobs": "forward"},
+            critic_optimizer=sgd,
             # multinomial: the inverse-CDF rollout of this seed has a near-constant return, whose explained
             # variance (a ratio of small variances) differs by 3.6e-7 between the bucketed and padded runs
             generation={"max_new_tokens": 10, "stop_token_ids": STOPS, "sampler": "multinomial"},
@@ -293,7 +296,7 @@ def test_grpo_update_is_the_same_with_bucketing(tokenizer_dir, tmp_path):
     def build(bucketing):
         return Recording(
             actor=spec(tokenizer_dir, llama_config()), reward_fn="ppo_rewards:the_count", rng_seed=0,
-            scoring={"bucketing": bucketing, "forward_batch_size": 8}, kl={"loss_coef": 0.1},
+            scoring={"bucketing": bucketing, "forward_batch_size": 8, "old_logprobs": "forward"}, kl={"loss_coef": 0.1},
             generation={"max_new_tokens": 10, "num_samples": 4, "stop_token_ids": STOPS},
             **_online_kwargs(ent_coef=0.01),
         )  # fmt: skip
