@@ -316,15 +316,6 @@ def test_truncated_logprobs_checks_its_inputs():
 # -- the entropy record (GenerationSettings.record_entropy) -------------------------------------------------
 
 
-def test_tempered_entropy_by_hand():
-    from lit_rlhf.models.sampling import tempered_entropy
-
-    scores = torch.tensor([[0.0, 0.0, -INF, 0.0, 0.0], [math.log(3.0), 0.0, -INF, -INF, -INF]])
-    # uniform over 4 tokens: log 4; probabilities (3/4, 1/4): -(3/4 log 3/4 + 1/4 log 1/4)
-    expected = torch.tensor([math.log(4.0), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))])
-    torch.testing.assert_close(tempered_entropy(scores), expected, atol=1e-6, rtol=0)
-
-
 @pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
 @pytest.mark.parametrize("decode_loop, drop_finished", [("generate", "never"), ("lean", "never"), ("lean", "always")])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)], ids=["plain", "truncated"])

@@ -33,6 +33,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from lit_rlhf.functional import entropy_from_logits
+
 SAMPLERS = ("auto", "inverse_cdf", "multinomial")
 # "auto" samples by inverse CDF from this vocabulary size on (CPU): 8 rows x 32,000 entries cost 5.3 ms
 # per step with torch.multinomial, 0.3 ms by inverse CDF; below it the gap is a small share of a step.
@@ -81,16 +83,6 @@ def log_normaliser(scores: torch.Tensor) -> torch.Tensor:
     return scores.amax(dim=-1) - scores.softmax(dim=-1).amax(dim=-1).log()
 
 
-def tempered_entropy(scores: torch.Tensor) -> torch.Tensor:
-    """(B, V) tempered scores -> (B,) entropy of their softmax, ``logsumexp(z) - sum(softmax(z) * z)``
-    (:func:`lit_rlhf.functional.entropy_from_logits` on one step, with one softmax for both terms). Scores
-    at -inf (probability 0) add nothing."""
-    probs = scores.softmax(dim=-1)  # (B, V)
-    log_z = scores.amax(dim=-1) - probs.amax(dim=-1).log()  # (B,) logsumexp, as log_normaliser
-    finite = torch.where(probs > 0, scores, 0.0)  # (B, V) no 0 * -inf
-    return log_z - (probs * finite).sum(dim=-1)  # (B,)
-
-
 class BehaviourRecorder(LogitsProcessor):
     """The warpers of ``generate(do_sample=True)`` and a record of each drawn token's behaviour log-prob.
 
@@ -115,7 +107,7 @@ class BehaviourRecorder(LogitsProcessor):
         top_p: nucleus sampling mass (1.0 = off).
         suppress_ids: token ids never drawn (probability 0), whose mass is counted as not kept.
         entropy: also record each step's (B,) entropy of the whole tempered distribution (one more softmax
-            and reduction over (B, V) a step; :func:`tempered_entropy`).
+            and reduction over (B, V) a step; :func:`lit_rlhf.functional.entropy_from_logits`).
     """
 
     def __init__(
@@ -164,7 +156,7 @@ class BehaviourRecorder(LogitsProcessor):
             scores = self.temperature(input_ids, scores)
             inplace = True  # a new tensor
         if self.records_entropy:  # of the whole tempered distribution, before the suppression
-            self._step_entropy = tempered_entropy(scores)  # (B,)
+            self._step_entropy = entropy_from_logits(scores[:, None])[:, 0]  # (B,)
         suppressed = None
         if self.suppress_ids:  # as generate's SuppressTokensLogitsProcessor, after tempering (same scores)
             ids = torch.tensor(self.suppress_ids, device=scores.device)
@@ -298,16 +290,7 @@ class MultinomialRecorder(BehaviourRecorder):
         top_p: nucleus sampling mass (1.0 = off).
     """
 
-    def __init__(
-        self,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        suppress_ids: Sequence[int] = (),
-        entropy: bool = False,
-    ) -> None:
-        super().__init__(temperature, top_k, top_p, suppress_ids, entropy)
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (B, V) scores, (B,) lse
+    _pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (B, V) warped scores, (B,) lse
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """(B, V) processed scores -> (B, V) warped scores (generate samples their softmax)."""

@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule
 
 from lit_rlhf import functional as F
 from lit_rlhf.batching import MicroBatch, rollout_micro_batches, scatter_rows
+from lit_rlhf.engines import Responses
 from lit_rlhf.guards import NonFiniteError, screen_scores
 from lit_rlhf.models import (
     SharedPrefixLayout,
@@ -110,7 +111,12 @@ class RolloutScoring(LightningModule):
 
     @torch.no_grad()
     def score_rollout(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, policy: bool = True, responses=None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        T: int,
+        policy: bool = True,
+        responses: Responses | None = None,
     ):
         """(B, P+T) sequences -> old log-probs, reference log-probs, old values (or None), entropy, each (B, T).
 
