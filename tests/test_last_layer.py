@@ -1,9 +1,11 @@
 """The last decoder layer at the scored positions only (models/last_layer.py): reward-model scores, policy
-log-probs and entropy on the LM head route, and every parameter's gradient equal to the whole layer's (float32, Llama / Mistral / Qwen2 / Qwen3 with grouped-query
-attention, left and right padding, the shared-prompt layout, LoRA, eager attention), the layer really
-replaced, the fallbacks, and the helpers by hand."""
+log-probs and entropy on the LM head route, and every parameter's gradient equal to the whole layer's (float32,
+Llama / Mistral / Qwen2 / Qwen3 with grouped-query attention, GPT-2, left and right padding, the shared-prompt
+layout, LoRA, eager attention), the layer really replaced, the fallbacks, and the helpers by hand."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -45,6 +47,8 @@ FAMILIES = {
     "qwen2": family_config("qwen2"),
     "qwen3": family_config("qwen3"),
     "llama-eager": family_config("llama", attn_implementation="eager"),
+    "gpt2": gpt2_config(),
+    "gpt2-eager": {**gpt2_config(), "attn_implementation": "eager", "scale_attn_by_inverse_layer_idx": True},
 }
 
 
@@ -65,6 +69,18 @@ def padded_rows(vocab: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ids[row, cols] = torch.randint(3, vocab, (n,), generator=g)
         mask[row, cols] = 1
     return ids, mask
+
+
+def spy(original, layer: torch.nn.Module, calls: list[bool]):
+    """``original`` (a layer class's forward) recording in ``calls`` whether each call ran ``layer`` whole;
+    it keeps ``original``'s signature, which the GPT-2 block's scored forward reads."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        calls.append(self is layer)
+        return original(self, *args, **kwargs)
+
+    return forward
 
 
 def scores_and_grads(model: torch.nn.Module, score) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -93,7 +109,7 @@ def test_scores_and_gradients_equal_the_whole_layer(tokenizer_dir, family, left)
     set_scored_last_layer(model, True)
     calls = []
     original = type(layer).forward
-    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    type(layer).forward = spy(original, layer, calls)
     try:
         scored = scores_and_grads(model, lambda: sequence_scores(model, ids, mask))
     finally:
@@ -116,7 +132,7 @@ def pair_batch(vocab: int) -> dict[str, torch.Tensor]:
     return PreferenceCollator(PAD)(rows)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_the_shared_prompt_layout_scores_two_positions_per_row(tokenizer_dir, family):
     model = score_model(tokenizer_dir, FAMILIES[family])
     batch = pair_batch(model.config.vocab_size)
@@ -131,9 +147,16 @@ def test_the_shared_prompt_layout_scores_two_positions_per_row(tokenizer_dir, fa
     assert_same(packed, padded)
 
 
-def test_lora_reward_model(tokenizer_dir):
-    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]}
-    model = score_model(tokenizer_dir, FAMILIES["llama"], lora=lora)
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],  # GPT-2's Conv1D projections: peft's fan_in_fan_out layers
+}
+
+
+@pytest.mark.parametrize("family", sorted(LORA_TARGETS))
+def test_lora_reward_model(tokenizer_dir, family):
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": LORA_TARGETS[family]}
+    model = score_model(tokenizer_dir, FAMILIES[family], lora=lora)
     assert last_decoder_layer(model) is not None
     for name, p in model.named_parameters():  # peft starts lora_B at 0: random adapters change the scores
         if "lora_B" in name:
@@ -146,7 +169,10 @@ def test_lora_reward_model(tokenizer_dir):
 
 
 def test_fallbacks_run_the_whole_layer(tokenizer_dir):
-    assert last_decoder_layer(score_model(tokenizer_dir, gpt2_config())) is None  # not a supported layer
+    neox = {**llama_config(), "model_type": "gpt_neox", "num_hidden_layers": 2, "intermediate_size": 64}
+    assert last_decoder_layer(score_model(tokenizer_dir, neox)) is None  # not a supported layer
+    upcast = {**gpt2_config(), "attn_implementation": "eager", "reorder_and_upcast_attn": True}
+    assert last_decoder_layer(score_model(tokenizer_dir, upcast)) is None  # another rounding of the scores
     off = score_model(tokenizer_dir, FAMILIES["llama"], scored_last_layer=False)  # the ModelSpec switch
     assert last_decoder_layer(off) is None
     flash = score_model(tokenizer_dir, FAMILIES["llama"])
@@ -163,12 +189,44 @@ def test_fallbacks_run_the_whole_layer(tokenizer_dir):
         assert replaced
         calls = []
         original = type(layer).forward
-        type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+        type(layer).forward = spy(original, layer, calls)
         try:
             model(input_ids=ids, attention_mask=mask, use_cache=False)
         finally:
             type(layer).forward = original
     assert calls == [False] * (model.config.num_hidden_layers - 1) + [True]
+    # GPT-2 with its default dropout, training: the whole block; evaluating: the scored block
+    model = score_model(tokenizer_dir, gpt2_config())
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    layer = last_decoder_layer(model)
+    for training, expected in [(True, [False, True]), (False, [False])]:
+        model.train(training)
+        calls = []
+        original = type(layer).forward
+        type(layer).forward = spy(original, layer, calls)
+        try:
+            with torch.no_grad(), scored_last_layer(model, torch.zeros(4, 1, dtype=torch.long)):
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+        finally:
+            type(layer).forward = original
+        assert calls == expected
+    # a patch of the block's forward that hides its signature: the block runs whole (its mask is not known)
+    model.eval()
+    ids, mask = padded_rows(model.config.vocab_size, left=True)
+    set_scored_last_layer(model, False)
+    whole = scores_and_grads(model, lambda: sequence_scores(model, ids, mask))
+    set_scored_last_layer(model, True)
+    calls = []
+    original = type(layer).forward
+    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    try:
+        patched = scores_and_grads(model, lambda: sequence_scores(model, ids, mask))
+    finally:
+        type(layer).forward = original
+    assert calls == [False, True]
+    assert_same(patched, whole)
     with pytest.raises(ValueError, match="ModelSpec.scored_last_layer: expected true or false, got 'yes'"):
         ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, scored_last_layer="yes")
 
@@ -209,7 +267,7 @@ def rollout_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return ids, mask, P, T
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_policy_log_probs_and_gradients_equal_the_whole_layer(tokenizer_dir, family, packed):
     # the LM head route keeps the last positions only (logits_to_keep): the last layer runs there only
@@ -233,7 +291,7 @@ def test_policy_log_probs_and_gradients_equal_the_whole_layer(tokenizer_dir, fam
     set_scored_last_layer(model, True)
     layer, calls = last_decoder_layer(model), []
     original = type(layer).forward
-    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    type(layer).forward = spy(original, layer, calls)
     try:
         scored = scores_and_grads(model, forward)
     finally:
@@ -242,7 +300,7 @@ def test_policy_log_probs_and_gradients_equal_the_whole_layer(tokenizer_dir, fam
     assert_same(scored, whole)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "llama-eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama-eager", "gpt2-eager"])
 def test_critic_values_and_gradients_equal_the_whole_layer(tokenizer_dir, family):
     # PPO's critic reads its values at the T positions before each response token only
     model = score_model(tokenizer_dir, FAMILIES[family])
@@ -252,7 +310,7 @@ def test_critic_values_and_gradients_equal_the_whole_layer(tokenizer_dir, family
     set_scored_last_layer(model, True)
     layer, calls = last_decoder_layer(model), []
     original = type(layer).forward
-    type(layer).forward = lambda self, *a, **k: calls.append(self is layer) or original(self, *a, **k)
+    type(layer).forward = spy(original, layer, calls)
     try:
         scored = scores_and_grads(model, lambda: critic_values(model, ids, mask, T))
     finally:

@@ -11,15 +11,19 @@ model's forward and backward, 2-3% of a 32-layer one's.
 
 Supported: the Llama family's decoder layer (Llama, Mistral, Qwen2, Qwen3: pre-norm attention with
 ``q_proj``/``k_proj``/``v_proj``/``o_proj``, rotary embeddings, optional ``q_norm``/``k_norm``, then a pre-norm
-MLP) under ``sdpa`` or ``eager`` attention, unsharded (a layer wrapped by FSDP2 is of another class), without
-gradient checkpointing, with attention dropout off while training. Anything else runs the layer as it is. ``set_scored_last_layer``
-turns it off per model.
+MLP) and GPT-2's block (pre-norm attention with one fused ``c_attn`` projection, absolute positions added
+before the first layer, then a pre-norm MLP), under ``sdpa`` or ``eager`` attention, unsharded (a layer
+wrapped by FSDP2 is of another class), without gradient checkpointing or a KV cache, with dropout off while
+training (dropout draws one random number per position). Anything else runs the layer as it is.
+``set_scored_last_layer`` turns it off per model. The projections are called as modules, so LoRA adapters
+on them stay in the path.
 
 Shapes: B rows, L positions, n scored positions per row, H hidden size, h query heads, D head size.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +33,9 @@ from torch import nn
 
 __all__ = ["SUPPORTED_LAYERS", "last_decoder_layer", "scored_last_layer", "set_scored_last_layer"]
 
-SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+GPT2_LAYERS = ("GPT2Block",)
+SUPPORTED_LAYERS = LLAMA_LAYERS + GPT2_LAYERS
 _SETTING_ATTR = "_lit_rlhf_scored_last_layer"
 
 
@@ -45,7 +51,7 @@ def last_decoder_layer(model: nn.Module) -> nn.Module | None:
     get_base_model = getattr(model, "get_base_model", None)
     base = get_base_model() if callable(get_base_model) else model
     backbone = getattr(base, getattr(base, "base_model_prefix", "model"), None)
-    layers = getattr(backbone, "layers", None)
+    layers = getattr(backbone, "layers", getattr(backbone, "h", None))  # GPT-2 names its blocks ``h``
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         return None
     layer = layers[getattr(backbone.config, "num_hidden_layers", len(layers)) - 1]
@@ -53,8 +59,14 @@ def last_decoder_layer(model: nn.Module) -> nn.Module | None:
         return None
     if getattr(layer, "gradient_checkpointing", False):  # its checkpointed forward stays as it is
         return None
-    attention = getattr(layer, "self_attn", None)
-    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")
+    llama = type(layer).__name__ in LLAMA_LAYERS
+    attention = getattr(layer, "self_attn" if llama else "attn", None)
+    if llama:
+        needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")
+    else:  # GPT-2: no cross-attention, no reordered float32 attention (another rounding of the scores)
+        needed = ("c_attn", "c_proj", "num_heads", "head_dim", "scaling", "config")
+        if hasattr(layer, "crossattention") or getattr(attention, "reorder_and_upcast_attn", True):
+            return None
     if attention is None or not all(hasattr(attention, name) for name in needed):
         return None
     if getattr(attention.config, "_attn_implementation", None) not in ("sdpa", "eager"):
@@ -80,18 +92,41 @@ def scored_last_layer(model: nn.Module, positions: torch.Tensor, valid: torch.Te
         yield False
         return
     valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+    scored_forward = llama_scored_call if type(layer).__name__ in LLAMA_LAYERS else gpt2_scored_call
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        embeddings = kwargs.get("position_embeddings")
-        if args or embeddings is None or (layer.training and layer.self_attn.attention_dropout > 0):
-            return type(layer).forward(layer, hidden_states, *args, **kwargs)  # a calling form not known here
-        return scored_layer_forward(layer, hidden_states, positions, valid, kwargs.get("attention_mask"), embeddings)
+        out = scored_forward(layer, hidden_states, positions, valid, *args, **kwargs)
+        return type(layer).forward(layer, hidden_states, *args, **kwargs) if out is None else out
 
     layer.forward = forward
     try:
         yield True
     finally:
         del layer.forward
+
+
+def take(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B or 1, L, ...) -> (B, n, ...): ``x`` at the (B, n) scored ``positions`` of each row."""
+    B = positions.shape[0]
+    x = x.expand(B, *x.shape[1:])
+    index = positions.view(B, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def write_scored(hidden_states: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, L, H) ``hidden_states`` with the (B, n, H) ``out`` written at the valid scored positions."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)  # (B, n)
+    return hidden_states.index_put((rows[valid], positions[valid]), out[valid])  # (B, L, H)
+
+
+def llama_scored_call(
+    layer: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *args, **kwargs
+) -> torch.Tensor | None:
+    """:func:`scored_layer_forward` for a call of a Llama-family layer; None for a calling form not known here."""
+    embeddings = kwargs.get("position_embeddings")
+    if args or embeddings is None or (layer.training and layer.self_attn.attention_dropout > 0):
+        return None
+    return scored_layer_forward(layer, hidden_states, positions, valid, kwargs.get("attention_mask"), embeddings)
 
 
 def scored_layer_forward(
@@ -119,20 +154,14 @@ def scored_layer_forward(
     rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
     B, L, _ = hidden_states.shape
     D = attention.head_dim
-
-    def take(x: torch.Tensor) -> torch.Tensor:  # (B or 1, L, ...) -> (B, n, ...) at the scored positions
-        x = x.expand(B, *x.shape[1:])
-        index = positions.view(B, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
-        return x.gather(1, index)
-
     normed = layer.input_layernorm(hidden_states)  # (B, L, H)
-    query = attention.q_proj(take(normed)).view(B, -1, attention.config.num_attention_heads, D)  # (B, n, h, D)
+    query = attention.q_proj(take(normed, positions)).view(B, -1, attention.config.num_attention_heads, D)  # (B, n, h, D)
     key = attention.k_proj(normed).view(B, L, -1, D)  # (B, L, kv, D)
     value = attention.v_proj(normed).view(B, L, -1, D).transpose(1, 2)  # (B, kv, L, D)
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
         query, key = attention.q_norm(query), attention.k_norm(key)
     cos, sin = position_embeddings  # (B or 1, L, D)
-    query, _ = rotary(query.transpose(1, 2), query.transpose(1, 2), take(cos), take(sin))  # (B, h, n, D)
+    query, _ = rotary(query.transpose(1, 2), query.transpose(1, 2), take(cos, positions), take(sin, positions))  # (B, h, n, D)
     key, _ = rotary(key.transpose(1, 2), key.transpose(1, 2), cos, sin)  # (B, kv, L, D)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, h, L, D)
@@ -141,10 +170,59 @@ def scored_layer_forward(
         query, key, value, attn_mask=mask, scale=attention.scaling
     )  # (B, h, n, D)
     attended = attended.transpose(1, 2).reshape(B, positions.shape[1], -1)  # (B, n, h * D)
-    out = take(hidden_states) + attention.o_proj(attended)  # (B, n, H)
+    out = take(hidden_states, positions) + attention.o_proj(attended)  # (B, n, H)
     out = out + layer.mlp(layer.post_attention_layernorm(out))  # (B, n, H)
-    rows = torch.arange(B, device=positions.device)[:, None].expand_as(positions)  # (B, n)
-    return hidden_states.index_put((rows[valid], positions[valid]), out[valid])  # (B, L, H)
+    return write_scored(hidden_states, out, positions, valid)  # (B, L, H)
+
+
+def gpt2_scored_call(
+    layer: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *args, **kwargs
+) -> torch.Tensor | None:
+    """:func:`gpt2_scored_forward` for a call of a GPT-2 block (which takes its cache, mask and encoder states
+    positionally); None for a calling form not known here, a KV cache, cross-attention or dropout in training."""
+    signature = inspect.signature(type(layer).forward)  # not cached: a library may patch the class's forward
+    if "attention_mask" not in signature.parameters:  # a wrapper that does not keep the block's signature
+        return None
+    try:
+        call = signature.bind(layer, hidden_states, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    extra = call.get("kwargs", {})
+    if any(call.get(name, extra.get(name)) is not None for name in ("cache", "past_key_values", "layer_past")):
+        return None
+    if call.get("encoder_hidden_states") is not None:
+        return None
+    dropouts = (layer.attn.attn_dropout.p, layer.attn.resid_dropout.p, layer.mlp.dropout.p)
+    if layer.training and max(dropouts) > 0:
+        return None
+    return gpt2_scored_forward(layer, hidden_states, positions, valid, call.get("attention_mask"))
+
+
+def gpt2_scored_forward(
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """GPT-2's block output at ``positions``, written over its input there (shapes as in
+    :func:`scored_layer_forward`; GPT-2 adds its absolute positions before the first block, so no rotation)."""
+    attention = layer.attn
+    B, L, H = hidden_states.shape
+    heads, D = attention.num_heads, attention.head_dim
+    normed = layer.ln_1(hidden_states)  # (B, L, H)
+    query, key, value = attention.c_attn(normed).split(H, dim=2)  # (B, L, H) each; the module keeps adapters
+    query = take(query, positions).view(B, -1, heads, D).transpose(1, 2)  # (B, h, n, D)
+    key = key.view(B, L, heads, D).transpose(1, 2)  # (B, h, L, D)
+    value = value.view(B, L, heads, D).transpose(1, 2)  # (B, h, L, D)
+    mask = scored_rows_mask(attention_mask, positions, L)  # (B, 1, n, L)
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=attention.scaling
+    )  # (B, h, n, D)
+    attended = attended.transpose(1, 2).reshape(B, positions.shape[1], H)  # (B, n, H)
+    out = take(hidden_states, positions) + attention.c_proj(attended)  # (B, n, H)
+    out = out + layer.mlp(layer.ln_2(out))  # (B, n, H)
+    return write_scored(hidden_states, out, positions, valid)  # (B, L, H)
 
 
 def scored_rows_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, width: int) -> torch.Tensor:

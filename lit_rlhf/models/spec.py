@@ -51,10 +51,11 @@ class ModelSpec:
             Equal values; peft-wrapped or quantised heads and autocast always take autograd's graph.
         scored_last_layer: run the last decoder layer at the positions whose output is read only (the
             layer's keys and values still at every position): a reward model's scored tokens (each
-            sequence's last real token), and on the LM head route a causal LM's last ``logits_to_keep``
-            positions (those that predict the response tokens). The same results to float rounding, most of
-            that layer's work saved (``lit_rlhf.models.last_layer``; Llama, Mistral, Qwen2/3 layers under sdpa
-            or eager attention, unsharded). Per-token values (a critic) always run the whole layer.
+            sequence's last real token), a critic's read positions (the T before the response tokens), and
+            on the LM head route a causal LM's last ``logits_to_keep`` positions (those that predict the
+            response tokens). The same results to float rounding, most of that layer's work saved
+            (``lit_rlhf.models.last_layer``; Llama, Mistral, Qwen2/3 layers and GPT-2 blocks under sdpa or
+            eager attention, unsharded).
     """
 
     name_or_path: str | None = None
