@@ -69,7 +69,9 @@ class GenerationSettings(Settings):
             ~10 ms at 8 rows, ~7 at 4); ``"always"`` on any device; ``"never"`` every row runs until all
             have stopped, as in ``generate``. The same tokens and random draws (a dropped row would only
             have drawn tokens replaced by pad); greedy decoding and the inverse-CDF sampler only
-            (``torch.multinomial``'s draws depend on the batch's shape), at least two rows kept.
+            (``torch.multinomial``'s draws depend on the batch's shape); the batch keeps at least the rows
+            from which a probe of the model's products on this machine finds each row rounded as in the
+            whole batch (``engines.lean_decode.min_rows``: 2 or more).
         record_entropy: the sampler also records each step's entropy of the whole tempered distribution
             (``Responses.entropy``; one more softmax over the vocabulary a step). The online modules set it
             for the rollouts whose old log-probs come from the sampler (``scoring.old_logprobs``); engines

@@ -53,7 +53,9 @@ FAMILIES = {
 
 
 def score_model(tokenizer_dir: str, config: dict, **spec) -> torch.nn.Module:
-    model = build_score_model(ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0, **spec), load_tokenizer(tokenizer_dir))
+    model = build_score_model(
+        ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0, **spec), load_tokenizer(tokenizer_dir)
+    )
     disable_dropout(model)
     return model
 
@@ -114,7 +116,9 @@ def test_scores_and_gradients_equal_the_whole_layer(tokenizer_dir, family, left)
         scored = scores_and_grads(model, lambda: sequence_scores(model, ids, mask))
     finally:
         type(layer).forward = original
-    assert calls == [False] * (model.config.num_hidden_layers - 1)  # not the last layer: it ran its scored forward
+    assert calls == [False] * (
+        model.config.num_hidden_layers - 1
+    )  # not the last layer: it ran its scored forward
     assert "forward" not in vars(layer)  # and the layer is itself again
     assert_same(scored, whole)
 

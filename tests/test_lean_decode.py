@@ -16,7 +16,15 @@ import torch
 from conftest import gpt2_config, llama_config
 from test_generation_prefill import K, _model, _prompts, _record_forward_shapes
 
-from lit_rlhf.engines.lean_decode import MIN_ROWS, GrowingLayer, _keep_rows, _worth_dropping, lean_unsupported
+from lit_rlhf.engines import lean_decode
+from lit_rlhf.engines.lean_decode import (
+    MIN_ROWS,
+    GrowingLayer,
+    _keep_rows,
+    _worth_dropping,
+    lean_unsupported,
+    min_rows,
+)
 from lit_rlhf.rollout import GenerationSettings, generate_responses, generation_kwargs
 
 
@@ -105,19 +113,28 @@ def test_lean_loop_stops_rows_as_generate_does(tokenizer_dir, sampler, drop_fini
     out = reference[0]
     lengths = out.mask.sum(dim=1)
     assert not out.truncated.any() and out.ids.shape[1] < settings.max_new_tokens
-    assert len(set(lengths.tolist())) >= (2 if greedy else 3) and (out.ids[~out.mask] == tok.pad_token_id).all()
-    lean_rows = [rows for rows, columns in shapes[len(shapes) // 2 :] if columns == 1]  # the lean call's steps
+    assert (
+        len(set(lengths.tolist())) >= (2 if greedy else 3) and (out.ids[~out.mask] == tok.pad_token_id).all()
+    )
+    lean_rows = [
+        rows for rows, columns in shapes[len(shapes) // 2 :] if columns == 1
+    ]  # the lean call's steps
     dropped = drop_finished == "always" and sampler != "multinomial"
     assert (min(lean_rows) < len(ids)) == dropped
-    assert min(lean_rows) >= MIN_ROWS and lean_rows == sorted(lean_rows, reverse=True)
+    assert min(lean_rows) >= min(min_rows(model, len(ids)), len(ids)) and lean_rows == sorted(
+        lean_rows, reverse=True
+    )
 
 
-def test_dropping_rows_keeps_the_batch_at_two_rows(tokenizer_dir):
-    """All rows but one stop at their first token: the loop goes on with the running row and one finished
-    filler (a one-row batch would take the BLAS's matrix-vector path), with generate's tokens."""
+def test_dropping_rows_keeps_the_batch_at_its_fewest_rows(tokenizer_dir):
+    """All rows but one stop at their first token: the loop goes on with the running row and finished
+    fillers up to ``min_rows`` (a one-row batch would take the BLAS's matrix-vector path), with generate's
+    tokens."""
     tok, model = _model(tokenizer_dir, llama_config())
     ids, mask = _prompts(tok)
-    settings = GenerationSettings(max_new_tokens=12, num_samples=K, sampler="inverse_cdf", drop_finished="always")
+    settings = GenerationSettings(
+        max_new_tokens=12, num_samples=K, sampler="inverse_cdf", drop_finished="always"
+    )
     probe = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))[0]
     first = probe.ids[:, 0]
     stops = sorted(set(first[1:].tolist()) - {first[0].item(), tok.pad_token_id})
@@ -127,16 +144,44 @@ def test_dropping_rows_keeps_the_batch_at_two_rows(tokenizer_dir):
     _assert_same(reference, lean)
     running = reference[0].mask.sum(dim=1) > 1
     assert running[0] and not running[1:][~torch.isin(first[1:], first[0])].any()
-    assert min(rows for rows, columns in shapes if columns == 1) == MIN_ROWS
+    assert min(rows for rows, columns in shapes if columns == 1) == min(min_rows(model, len(ids)), len(ids))
 
 
 def test_which_rows_are_kept():
     assert _keep_rows(torch.tensor([True, False, True, False])).tolist() == [0, 2]
     assert _keep_rows(torch.tensor([False, False, True, False])).tolist() == [0, 2]  # a filler: 2 rows
     assert _keep_rows(torch.tensor([False, False, False, True])).tolist() == [0, 3]
+    assert _keep_rows(torch.tensor([False, True, False, False, True]), fewest=4).tolist() == [0, 1, 2, 4]
     assert not _worth_dropping(MIN_ROWS, 1)  # cannot shrink
+    assert not _worth_dropping(4, 1, fewest=4) and _worth_dropping(5, 4, fewest=4)
     assert _worth_dropping(8, 7) and not _worth_dropping(8, 8)
     assert not _worth_dropping(64, 57) and _worth_dropping(64, 56)  # an eighth of a large batch
+
+
+def test_min_rows_finds_the_row_counts_a_blas_rounds_otherwise(tokenizer_dir, monkeypatch):
+    """The probe against a stand-in BLAS that rounds batches of fewer than 5 rows otherwise: the batch
+    keeps 5 rows; against the real one at least ``MIN_ROWS``, and each row count from there on gives the
+    probe's rows bit-identical to the full batch's."""
+    _, model = _model(tokenizer_dir, llama_config())
+    real = torch.nn.functional.linear
+
+    def blas(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out + 1e-3 if x.shape[0] < 5 else out
+
+    lean_decode._rounding_rows.cache_clear()
+    monkeypatch.setattr(torch.nn.functional, "linear", blas)
+    assert min_rows(model, 8) == 5 and min_rows(model, 64) == 5
+    assert min_rows(model, 3) == MIN_ROWS  # a 3-row batch's 2 rows round as its 3 (all under 5 here)
+    monkeypatch.undo()
+    lean_decode._rounding_rows.cache_clear()
+    for batch in (4, 8, 16):
+        fewest = min_rows(model, batch)
+        assert fewest >= MIN_ROWS
+        x, weight = torch.randn(batch, 32), torch.randn(64, 32)  # hidden 32 -> 64: one of the model's shapes
+        whole = real(x, weight)
+        for n in range(fewest, batch):
+            assert torch.equal(real(x[:n].clone(), weight), whole[:n])
 
 
 def test_drop_finished_setting():

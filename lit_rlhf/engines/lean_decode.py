@@ -16,7 +16,7 @@ for every row until all rows stopped, as ``generate``; so the same random number
 * the inverse-CDF sampler returns its token (``InverseCDFSampler.draw``), suppressing the pad token in
   the logits themselves (no copy); multinomial sampling and greedy decoding run as ``generate`` runs them;
 * with ``drop_finished`` (``generation.drop_finished``), rows that have stopped leave the batch the forwards
-  run (their cache, mask and positions index-selected; at least ``MIN_ROWS`` kept), where ``generate`` runs
+  run (their cache, mask and positions index-selected; at least :func:`min_rows` kept), where ``generate`` runs
   them to the end only to replace their tokens by pad: under greedy decoding or the inverse-CDF sampler,
   whose uniforms are still drawn for every row, so the remaining rows get the same logits and draws.
 
@@ -33,6 +33,7 @@ Shapes: B rows, P prompt length (left-padded), N = max_new_tokens, T <= N respon
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -41,7 +42,7 @@ from lit_rlhf.models.prefill import _accepts, cache_argument
 from lit_rlhf.models.sampling import BehaviourRecorder, InverseCDFSampler, MultinomialRecorder
 from lit_rlhf.models.scoring import position_ids_from_mask
 
-__all__ = ["GrowingLayer", "lean_decode", "lean_unsupported"]
+__all__ = ["GrowingLayer", "lean_decode", "lean_unsupported", "min_rows"]
 
 # generation_config fields that change nothing the lean loop does (ids, lengths, bookkeeping)
 _NEUTRAL_FIELDS = frozenset(
@@ -209,6 +210,7 @@ def lean_decode(
     start = 0 if cache is None else cache.get_seq_length()  # prompt columns already cached
     step_ids, step_positions = input_ids[:, start:], positions[:, start:]
     drop_finished = drop_finished and drops_rows(recorder)
+    fewest = min_rows(model, B) if drop_finished else B
     for t in range(N):
         out = model(
             input_ids=step_ids, attention_mask=mask[:, : P + t], position_ids=step_positions, use_cache=True,
@@ -228,8 +230,8 @@ def lean_decode(
         if not running:
             return ids[:, P : P + t + 1]
         step_ids, step_positions = tokens[:, None], step_positions[:, -1:] + 1
-        if drop_finished and _worth_dropping(len(rows), running):
-            keep = _keep_rows(unfinished)  # (b',) positions in the batch
+        if drop_finished and _worth_dropping(len(rows), running, fewest):
+            keep = _keep_rows(unfinished, fewest)  # (b',) positions in the batch
             rows, unfinished, mask = rows[keep], unfinished[keep], mask[keep]
             step_ids, step_positions = step_ids[keep], step_positions[keep]
             for layer in cache.layers:
@@ -237,24 +239,71 @@ def lean_decode(
     return ids[:, P:]
 
 
-# The batch never shrinks below this many rows: a BLAS multiplies one row by another path (a matrix-vector
-# product) whose float rounding differs from the matrix product's, while from two rows on each row's logits
-# were bit-identical whatever the batch (W1's actor at 2-8 rows, MKL on an Intel Xeon; scripts/bench/RESULTS.md).
+# The batch never shrinks below MIN_ROWS rows, nor to a row count whose products a probe finds rounded
+# otherwise than the whole batch's (:func:`min_rows`): a BLAS multiplies a few rows by other kernels (one row:
+# a matrix-vector product) whose float rounding differs. W1's actor (8 rows, 1 thread): each row's logits
+# bit-identical from 2 rows on with the BLAS on an Intel Xeon, from 4 on on an AMD EPYC, where 2-3 rows
+# changed a token in one call of eight (scripts/bench/RESULTS.md).
 MIN_ROWS = 2
+PROBE_ROWS = 16  # the largest batch the probe compares with (larger ones are taken to round rows as it does)
+_PROBE_COLUMNS = (
+    4096  # output features probed at most (the kernel for a few rows is chosen by rows and depth)
+)
 
 
-def _worth_dropping(batch: int, running: int) -> bool:
+def min_rows(model: torch.nn.Module, batch: int) -> int:
+    """The fewest rows a decoding batch of ``batch`` rows of ``model`` may shrink to with each row's results
+    bit-identical to the whole batch's: at least ``MIN_ROWS``, and above every row count at which one of
+    the model's linear products (each shape, dtype and device; probed once per process, thread count and
+    batch) rounds a row otherwise than a batch of ``min(batch, PROBE_ROWS)`` rows does. ``batch`` or more
+    means: never shrink."""
+    shapes = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        transposed = type(module).__name__ == "Conv1D"  # GPT-2's (in, out) weights, x @ W + b
+        if not (isinstance(module, torch.nn.Linear) or transposed) or weight is None or weight.dim() != 2:
+            continue
+        depth, width = weight.shape if transposed else weight.shape[::-1]
+        shapes.add((depth, min(width, _PROBE_COLUMNS), transposed, weight.dtype, weight.device.type))
+    reference, threads = min(batch, PROBE_ROWS), torch.get_num_threads()
+    probed = [_rounding_rows(*shape, threads, reference) for shape in sorted(shapes, key=str)]
+    return max([MIN_ROWS, *probed])
+
+
+@functools.cache
+def _rounding_rows(
+    depth: int, width: int, transposed: bool, dtype: torch.dtype, device: str, threads: int, reference: int
+) -> int:
+    """1 + the largest row count under ``reference`` whose (n, depth) x (depth, width) product rounds a row
+    otherwise than the same rows in a batch of ``reference`` rows (1 when none does)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(reference, depth, generator=generator).to(device=device, dtype=dtype)  # (R, depth)
+    weight = torch.randn(width, depth, generator=generator).to(device=device, dtype=dtype)  # (width, depth)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:  # as the layer multiplies: (n, depth) -> (n, width)
+        return rows @ weight.t().contiguous() if transposed else torch.nn.functional.linear(rows, weight)
+
+    with torch.no_grad():
+        batch = product(x)  # (R, width)
+        for n in range(reference - 1, 0, -1):
+            if not torch.equal(product(x[:n].clone()), batch[:n]):
+                return n + 1
+    return 1
+
+
+def _worth_dropping(batch: int, running: int, fewest: int = MIN_ROWS) -> bool:
     """Whether to drop the finished rows of a batch of ``batch`` rows with ``running`` unfinished: when at
-    least an eighth of them (one row in batches under 16) has finished and the batch can shrink; so a batch
-    of B rows is copied (its KV cache) at most ~log(B) / log(8/7) times."""
-    return batch > MIN_ROWS and batch - running >= max(1, batch // 8)
+    least an eighth of them (one row in batches under 16) has finished and the batch can shrink below
+    ``batch`` without going under ``fewest`` rows; so a batch of B rows is copied (its KV cache) at most
+    ~log(B) / log(8/7) times."""
+    return batch > fewest and batch - running >= max(1, batch // 8)
 
 
-def _keep_rows(unfinished: torch.Tensor) -> torch.Tensor:
+def _keep_rows(unfinished: torch.Tensor, fewest: int = MIN_ROWS) -> torch.Tensor:
     """(b,) unfinished flags -> the positions to keep: every unfinished row, and the first finished ones
-    as fillers up to ``MIN_ROWS`` (their tokens are replaced by pad, as every finished row's)."""
+    as fillers up to ``fewest`` rows (their tokens are replaced by pad, as every finished row's)."""
     keep = unfinished.nonzero().squeeze(1)  # (b',)
-    if len(keep) < MIN_ROWS:
-        fillers = (~unfinished).nonzero().squeeze(1)[: MIN_ROWS - len(keep)]
+    if len(keep) < fewest:
+        fillers = (~unfinished).nonzero().squeeze(1)[: fewest - len(keep)]
         keep = torch.cat([keep, fillers]).sort().values
     return keep

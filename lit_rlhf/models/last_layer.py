@@ -75,7 +75,9 @@ def last_decoder_layer(model: nn.Module) -> nn.Module | None:
 
 
 @contextmanager
-def scored_last_layer(model: nn.Module, positions: torch.Tensor, valid: torch.Tensor | None = None) -> Iterator[bool]:
+def scored_last_layer(
+    model: nn.Module, positions: torch.Tensor, valid: torch.Tensor | None = None
+) -> Iterator[bool]:
     """Within the block, ``model``'s last decoder layer computes its output at ``positions`` only.
 
     Its output elsewhere is its input (the residual stream before the layer): finite, meaningless, and read by
@@ -113,20 +115,29 @@ def take(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index)
 
 
-def write_scored(hidden_states: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def write_scored(
+    hidden_states: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """(B, L, H) ``hidden_states`` with the (B, n, H) ``out`` written at the valid scored positions."""
     rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)  # (B, n)
     return hidden_states.index_put((rows[valid], positions[valid]), out[valid])  # (B, L, H)
 
 
 def llama_scored_call(
-    layer: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *args, **kwargs
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    *args,
+    **kwargs,
 ) -> torch.Tensor | None:
     """:func:`scored_layer_forward` for a call of a Llama-family layer; None for a calling form not known here."""
     embeddings = kwargs.get("position_embeddings")
     if args or embeddings is None or (layer.training and layer.self_attn.attention_dropout > 0):
         return None
-    return scored_layer_forward(layer, hidden_states, positions, valid, kwargs.get("attention_mask"), embeddings)
+    return scored_layer_forward(
+        layer, hidden_states, positions, valid, kwargs.get("attention_mask"), embeddings
+    )
 
 
 def scored_layer_forward(
@@ -155,13 +166,17 @@ def scored_layer_forward(
     B, L, _ = hidden_states.shape
     D = attention.head_dim
     normed = layer.input_layernorm(hidden_states)  # (B, L, H)
-    query = attention.q_proj(take(normed, positions)).view(B, -1, attention.config.num_attention_heads, D)  # (B, n, h, D)
+    query = attention.q_proj(take(normed, positions)).view(
+        B, -1, attention.config.num_attention_heads, D
+    )  # (B, n, h, D)
     key = attention.k_proj(normed).view(B, L, -1, D)  # (B, L, kv, D)
     value = attention.v_proj(normed).view(B, L, -1, D).transpose(1, 2)  # (B, kv, L, D)
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
         query, key = attention.q_norm(query), attention.k_norm(key)
     cos, sin = position_embeddings  # (B or 1, L, D)
-    query, _ = rotary(query.transpose(1, 2), query.transpose(1, 2), take(cos, positions), take(sin, positions))  # (B, h, n, D)
+    query, _ = rotary(
+        query.transpose(1, 2), query.transpose(1, 2), take(cos, positions), take(sin, positions)
+    )  # (B, h, n, D)
     key, _ = rotary(key.transpose(1, 2), key.transpose(1, 2), cos, sin)  # (B, kv, L, D)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, h, L, D)
@@ -176,7 +191,12 @@ def scored_layer_forward(
 
 
 def gpt2_scored_call(
-    layer: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *args, **kwargs
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    *args,
+    **kwargs,
 ) -> torch.Tensor | None:
     """:func:`gpt2_scored_forward` for a call of a GPT-2 block (which takes its cache, mask and encoder states
     positionally); None for a calling form not known here, a KV cache, cross-attention or dropout in training."""
@@ -188,7 +208,9 @@ def gpt2_scored_call(
     except TypeError:
         return None
     extra = call.get("kwargs", {})
-    if any(call.get(name, extra.get(name)) is not None for name in ("cache", "past_key_values", "layer_past")):
+    if any(
+        call.get(name, extra.get(name)) is not None for name in ("cache", "past_key_values", "layer_past")
+    ):
         return None
     if call.get("encoder_hidden_states") is not None:
         return None
@@ -225,7 +247,9 @@ def gpt2_scored_forward(
     return write_scored(hidden_states, out, positions, valid)  # (B, L, H)
 
 
-def scored_rows_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, width: int) -> torch.Tensor:
+def scored_rows_mask(
+    attention_mask: torch.Tensor | None, positions: torch.Tensor, width: int
+) -> torch.Tensor:
     """The (B, 1, n, L) rows of a layer's attention mask at the scored query ``positions`` (B, n); a causal
     bool mask when the model passes None."""
     B, n = positions.shape
