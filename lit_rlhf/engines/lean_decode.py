@@ -246,9 +246,8 @@ def lean_decode(
 # changed a token in one call of eight (scripts/bench/RESULTS.md).
 MIN_ROWS = 2
 PROBE_ROWS = 16  # the largest batch the probe compares with (larger ones are taken to round rows as it does)
-_PROBE_COLUMNS = (
-    4096  # output features probed at most (the kernel for a few rows is chosen by rows and depth)
-)
+# output features probed at most (the kernel for a few rows is chosen by the rows and the depth)
+_PROBE_COLUMNS = 4096
 
 
 def min_rows(model: torch.nn.Module, batch: int) -> int:

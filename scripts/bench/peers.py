@@ -16,7 +16,7 @@ from common import PPO
 from report import THROUGHPUT_UNITS, base_workload, ppo_table, rm_table, throughput
 
 # The workloads run against the newest TRL as well (W3 and control PPO need PPOTrainer, which left TRL
-# after 1.12.0; control RM measures loop overhead on a tiny model). Their bf16 rows follow the base row.
+# after 1.12.0; control RM is a fixed-length control on a tiny GPT-2). Their bf16 rows follow the base row.
 NEW_PEER_WORKLOADS = ("W1_grpo", "W2_rm", "W2_dpo")
 
 # Targets of issue 28 for the headline ratios (throughput lit/faster TRL, peak RSS lit/faster TRL).
