@@ -23,6 +23,7 @@ Shapes: B rows, L positions, n scored positions per row, H hidden size, h query 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Iterator
@@ -190,6 +191,9 @@ def scored_layer_forward(
     return write_scored(hidden_states, out, positions, valid)  # (B, L, H)
 
 
+_signature = functools.cache(inspect.signature)  # a block's forward is bound to its signature every call
+
+
 def gpt2_scored_call(
     layer: nn.Module,
     hidden_states: torch.Tensor,
@@ -200,7 +204,7 @@ def gpt2_scored_call(
 ) -> torch.Tensor | None:
     """:func:`gpt2_scored_forward` for a call of a GPT-2 block (which takes its cache, mask and encoder states
     positionally); None for a calling form not known here, a KV cache, cross-attention or dropout in training."""
-    signature = inspect.signature(type(layer).forward)  # not cached: a library may patch the class's forward
+    signature = _signature(type(layer).forward)  # per function: a patched forward is another function
     if "attention_mask" not in signature.parameters:  # a wrapper that does not keep the block's signature
         return None
     try:
