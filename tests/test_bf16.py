@@ -397,7 +397,7 @@ def test_transposed_generation_head_is_cast_once_under_autocast(tokenizer_dir):
     """bf16-mixed generation: the (H, V) copy of the head is made in bfloat16 once per generate call,
     not cast again at every decoding step, and the logits are autocast's own (bfloat16 products)."""
     from lit_rlhf.models import build_causal_lm, load_tokenizer
-    from lit_rlhf.models.decoding import TRANSPOSED_HEAD_MIN_ELEMENTS, transposed_lm_head
+    from lit_rlhf.models.decoding import TRANSPOSED_HEAD_MIN_ELEMENTS, decoding_lm_head
 
     vocab = TRANSPOSED_HEAD_MIN_ELEMENTS // 32 + 7  # a head big enough to be swapped
     spec = ModelSpec(config=gpt2_config(vocab), tokenizer=tokenizer_dir, seed=0)
@@ -406,8 +406,8 @@ def test_transposed_generation_head_is_cast_once_under_autocast(tokenizer_dir):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         plain = model(input_ids=ids).logits
         casts = WeightCasts(model.get_output_embeddings().weight.numel())
-        with transposed_lm_head(model) as swapped, casts:
-            assert swapped
+        with decoding_lm_head(model, rows=8) as used, casts:
+            assert used == "transposed"  # under autocast: never packed
             steps = [model(input_ids=ids[:, : t + 1]).logits for t in range(4)]
     assert casts.count == 0, f"{casts.count} casts of the (H, V) weight in 4 decoding steps"
     assert steps[-1].dtype == plain.dtype == torch.bfloat16

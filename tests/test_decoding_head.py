@@ -1,4 +1,5 @@
-"""The transposed LM head of generation: same logits, same tokens, only where it applies, restored after."""
+"""The LM head's decoding layouts (transposed, oneDNN-packed): the same logits to float rounding and the
+same tokens, only where they apply, restored after."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import torch
 from conftest import gpt2_config, llama_config
 
 from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
-from lit_rlhf.models.decoding import TRANSPOSED_HEAD_MIN_ELEMENTS, transposed_lm_head
+from lit_rlhf.models.decoding import (
+    PACKED_HEAD_MIN_ROWS,
+    TRANSPOSED_HEAD_MIN_ELEMENTS,
+    decoding_lm_head,
+    onednn_packs,
+)
+
+_NO_ONEDNN = pytest.mark.skipif(not onednn_packs(torch.empty(1)), reason="oneDNN packs on x86-64 CPU builds only")
+LAYOUTS = ["transposed", pytest.param("packed", marks=_NO_ONEDNN)]
 
 
 def _model(tokenizer_dir, config, vocab=None, **fields):
@@ -22,63 +31,111 @@ def _wide(config):
     return max(TRANSPOSED_HEAD_MIN_ELEMENTS // hidden, 1024) + 7
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("config", [gpt2_config(), llama_config()], ids=["gpt2", "llama"])
-def test_logits_and_sampled_tokens_equal_the_plain_head(tokenizer_dir, config):
+def test_logits_and_sampled_tokens_equal_the_plain_head(tokenizer_dir, config, layout):
     model = _model(tokenizer_dir, config, vocab=_wide(config))
     ids = torch.randint(5, 100, (3, 9))
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        with transposed_lm_head(model) as swapped:
-            assert swapped
+        with decoding_lm_head(model, layout) as used:
+            assert used == layout
             fast = model(input_ids=ids).logits
+            last = model(input_ids=ids, logits_to_keep=1).logits  # the head on a view of the hidden states
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, fast[:, -1:], rtol=1e-5, atol=1e-5)
     assert "forward" not in model.get_output_embeddings().__dict__  # restored
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True, pad_token_id=0)
     torch.manual_seed(3)
     expected = model.generate(**kwargs)
     torch.manual_seed(3)
-    with transposed_lm_head(model):
+    with decoding_lm_head(model, layout):
         got = model.generate(**kwargs)
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rows_logits_do_not_depend_on_the_batch_above_the_probed_rows(tokenizer_dir, layout):
+    """What dropping finished rows relies on: from ``min_rows`` rows on (a probe of the head's own product),
+    each row's logits are those of the 16-row batch."""
+    from lit_rlhf.engines.lean_decode import min_rows
+
+    model = _model(tokenizer_dir, llama_config(), vocab=_wide(llama_config()))
+    hidden = torch.randn(16, 1, llama_config()["hidden_size"])
+    head = model.get_output_embeddings()
+    with torch.no_grad(), decoding_lm_head(model, layout):
+        batch = head(hidden)  # (16, 1, V)
+        rounded = [n for n in range(1, 16) if not torch.equal(head(hidden[:n].clone()), batch[:n])]
+        fewest = min_rows(model, 16)
+    assert all(n < fewest for n in rounded), (rounded, fewest)
+
+
+def test_auto_packs_where_onednn_can_and_the_call_has_the_rows(tokenizer_dir):
+    model = _model(tokenizer_dir, llama_config(), vocab=_wide(llama_config()))
+    packs = onednn_packs(model.get_output_embeddings().weight)
+    with decoding_lm_head(model, "auto", rows=PACKED_HEAD_MIN_ROWS) as used:
+        assert used == ("packed" if packs else "transposed")
+    with decoding_lm_head(model, "auto", rows=PACKED_HEAD_MIN_ROWS - 1) as used:
+        assert used == "transposed"  # one or two rows: the transposed copy is faster
+    with torch.autocast("cpu", dtype=torch.bfloat16), decoding_lm_head(model, "auto", rows=8) as used:
+        assert used == "transposed"  # never packed under autocast
+    with pytest.warns(UserWarning, match="cannot pack"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with decoding_lm_head(model, "packed", rows=8) as used:
+            assert used == "transposed"
+    with pytest.raises(ValueError, match="decoding head layout must be one of"), decoding_lm_head(model, "fast"):
+        pass
+    assert "forward" not in model.get_output_embeddings().__dict__
+
+
 def test_left_alone_where_it_does_not_apply(tokenizer_dir):
     small = _model(tokenizer_dir, gpt2_config())  # a head below the size threshold
-    with transposed_lm_head(small) as swapped:
-        assert not swapped
+    with decoding_lm_head(small, "packed") as used:
+        assert used is None
     wide = _model(tokenizer_dir, gpt2_config(), vocab=_wide(gpt2_config()))
-    with transposed_lm_head(wide, enabled=False) as swapped:
-        assert not swapped
-    with transposed_lm_head(wide) as outer, transposed_lm_head(wide) as inner:
-        assert outer and not inner  # nested: the swapped head is not swapped again
+    with decoding_lm_head(wide, "plain") as used:
+        assert used is None
+    with decoding_lm_head(wide) as outer, decoding_lm_head(wide) as inner:
+        assert outer and inner is None  # nested: the swapped head is not swapped again
     assert "forward" not in wide.get_output_embeddings().__dict__
 
 
 def test_restored_after_an_error(tokenizer_dir):
     model = _model(tokenizer_dir, gpt2_config(), vocab=_wide(gpt2_config()))
-    with pytest.raises(RuntimeError, match="boom"), transposed_lm_head(model):
+    with pytest.raises(RuntimeError, match="boom"), decoding_lm_head(model):
         raise RuntimeError("boom")
     assert "forward" not in model.get_output_embeddings().__dict__
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
-def test_generate_responses_with_and_without_the_transposed_head(tokenizer_dir, sampler):
+def test_generate_responses_with_and_without_the_decoding_head(tokenizer_dir, sampler, layout):
     from lit_rlhf.rollout import GenerationSettings, generate_responses
 
     model = _model(tokenizer_dir, llama_config(), vocab=_wide(llama_config()))
     ids = torch.randint(5, 100, (4, 7))
     out = {}
-    for transposed in (True, False):
-        settings = GenerationSettings(max_new_tokens=8, sampler=sampler, transposed_head=transposed)
-        torch.manual_seed(5)
-        out[transposed] = generate_responses(
-            model, ids, torch.ones_like(ids), settings, eos_token_id=2, pad_token_id=0
-        )
-    for a, b in zip(out[True][:3], out[False][:3]):  # ids, mask, truncated
+    for head in (layout, "plain"):
+        for loop in ("lean", "generate"):
+            settings = GenerationSettings(max_new_tokens=8, sampler=sampler, decoding_head=head, decode_loop=loop)
+            torch.manual_seed(5)
+            out[head, loop] = generate_responses(
+                model, ids, torch.ones_like(ids), settings, eos_token_id=2, pad_token_id=0
+            )
+    for loop in ("lean", "generate"):
+        for a, b in zip(out[layout, loop][:3], out["plain", loop][:3]):  # ids, mask, truncated
+            assert torch.equal(a, b)
+        for a, b in zip(out[layout, loop][3:5], out["plain", loop][3:5]):  # behaviour log-probs: to rounding
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(out[layout, "lean"][:5], out[layout, "generate"][:5]):  # one layout: the loops agree
         assert torch.equal(a, b)
-    for a, b in zip(out[True][3:5], out[False][3:5]):  # behaviour log-probs: logits equal to float rounding
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert "forward" not in model.get_output_embeddings().__dict__
+
+
+def test_generation_settings_refuse_an_unknown_head_layout():
+    from lit_rlhf.rollout import GenerationSettings
+
+    with pytest.raises(ValueError, match="generation.decoding_head must be one of"):
+        GenerationSettings(decoding_head="fast")
 
 
 class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
@@ -110,7 +167,7 @@ def test_autocast_casts_each_weight_once_per_call_with_the_same_tokens(tokenizer
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     shapes = {tuple(m.weight.shape) for m in linears}
     ids = torch.randint(5, 100, (4, 7))
-    settings = GenerationSettings(max_new_tokens=8, decode_loop=decode_loop, transposed_head=False)
+    settings = GenerationSettings(max_new_tokens=8, decode_loop=decode_loop, decoding_head="plain")
     out, casts = {}, {}
     for cached in (True, False):
         if not cached:

@@ -15,8 +15,8 @@ from lit_rlhf.engines.base import Responses, RolloutEngine
 class HFEngine(RolloutEngine):
     """Responses from Hugging Face ``generate`` with the trainer's policy (KV cache on).
 
-    How it runs ``generate`` (the shared prefill of a group, the sampler, the transposed LM head) is set by
-    the ``GenerationSettings`` it is given (``group_prefill``, ``sampler``, ``transposed_head``), so
+    How it runs ``generate`` (the shared prefill of a group, the sampler, the LM head's layout) is set by
+    the ``GenerationSettings`` it is given (``group_prefill``, ``sampler``, ``decoding_head``), so
     training and evaluation rollouts can differ; the engine itself takes no arguments.
     """
 

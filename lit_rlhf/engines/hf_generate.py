@@ -20,7 +20,7 @@ from transformers import LogitsProcessorList
 from lit_rlhf.engines.base import Responses
 from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
 from lit_rlhf.models import position_ids_from_mask
-from lit_rlhf.models.decoding import cached_autocast_casts, output_vocab_size, transposed_lm_head
+from lit_rlhf.models.decoding import cached_autocast_casts, decoding_lm_head, output_vocab_size
 from lit_rlhf.models.prefill import cache_argument, is_grouped, prefill_groups
 from lit_rlhf.models.sampling import (
     BehaviourRecorder,
@@ -161,7 +161,8 @@ def generate_responses(
             # generate continues from it: only the last prompt column is run
             kwargs[cache_argument(model)] = cache
     lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
-    with transposed_lm_head(model, enabled=settings.transposed_head), cached_autocast_casts(model):
+    head = decoding_lm_head(model, settings.decoding_head, rows=input_ids.shape[0])
+    with head, cached_autocast_casts(model):
         if lean:
             responses = lean_decode(
                 model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,

@@ -38,6 +38,7 @@ import functools
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from lit_rlhf.models.decoding import packed_linear
 from lit_rlhf.models.prefill import _accepts, cache_argument
 from lit_rlhf.models.sampling import BehaviourRecorder, InverseCDFSampler, MultinomialRecorder
 from lit_rlhf.models.scoring import position_ids_from_mask
@@ -253,9 +254,10 @@ _PROBE_COLUMNS = 4096
 def min_rows(model: torch.nn.Module, batch: int) -> int:
     """The fewest rows a decoding batch of ``batch`` rows of ``model`` may shrink to with each row's results
     bit-identical to the whole batch's: at least ``MIN_ROWS``, and above every row count at which one of
-    the model's linear products (each shape, dtype and device; probed once per process, thread count and
-    batch) rounds a row otherwise than a batch of ``min(batch, PROBE_ROWS)`` rows does. ``batch`` or more
-    means: never shrink."""
+    the model's linear products (each shape, product, dtype and device; probed once per process, thread
+    count and batch) rounds a row otherwise than a batch of ``min(batch, PROBE_ROWS)`` rows does. The
+    product is the one the module runs: ``nn.Linear``'s, GPT-2's ``Conv1D`` (``x @ W``), or a decoding
+    LM head's layout (``models.decoding.decoding_lm_head``). ``batch`` or more means: never shrink."""
     shapes = set()
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -263,7 +265,9 @@ def min_rows(model: torch.nn.Module, batch: int) -> int:
         if not (isinstance(module, torch.nn.Linear) or transposed) or weight is None or weight.dim() != 2:
             continue
         depth, width = weight.shape if transposed else weight.shape[::-1]
-        shapes.add((depth, min(width, _PROBE_COLUMNS), transposed, weight.dtype, weight.device.type))
+        kind = getattr(module.__dict__.get("forward"), "decoding_product", "matmul" if transposed else "linear")
+        kind = "matmul" if kind == "transposed" else kind  # the head's (H, V) copy multiplies as Conv1D does
+        shapes.add((depth, min(width, _PROBE_COLUMNS), kind, weight.dtype, weight.device.type))
     reference, threads = min(batch, PROBE_ROWS), torch.get_num_threads()
     probed = [_rounding_rows(*shape, threads, reference) for shape in sorted(shapes, key=str)]
     return max([MIN_ROWS, *probed])
@@ -271,17 +275,22 @@ def min_rows(model: torch.nn.Module, batch: int) -> int:
 
 @functools.cache
 def _rounding_rows(
-    depth: int, width: int, transposed: bool, dtype: torch.dtype, device: str, threads: int, reference: int
+    depth: int, width: int, kind: str, dtype: torch.dtype, device: str, threads: int, reference: int
 ) -> int:
     """1 + the largest row count under ``reference`` whose (n, depth) x (depth, width) product rounds a row
-    otherwise than the same rows in a batch of ``reference`` rows (1 when none does)."""
+    otherwise than the same rows in a batch of ``reference`` rows (1 when none does). ``kind``: how it is
+    multiplied: ``"linear"`` (``F.linear`` by a (width, depth) weight), ``"matmul"`` (by a (depth, width)
+    one) or ``"packed"`` (``models.decoding.packed_linear``)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(reference, depth, generator=generator).to(device=device, dtype=dtype)  # (R, depth)
     weight = torch.randn(width, depth, generator=generator).to(device=device, dtype=dtype)  # (width, depth)
-
-    def product(rows: torch.Tensor) -> torch.Tensor:  # as the layer multiplies: (n, depth) -> (n, width)
-        return rows @ weight.t().contiguous() if transposed else torch.nn.functional.linear(rows, weight)
-
+    if kind == "packed":
+        product = packed_linear(weight)  # (n, depth) -> (n, width), as the layer multiplies
+    elif kind == "matmul":
+        weight_t = weight.t().contiguous()  # (depth, width)
+        product = lambda rows: rows @ weight_t  # noqa: E731
+    else:
+        product = lambda rows: torch.nn.functional.linear(rows, weight)  # noqa: E731
     with torch.no_grad():
         batch = product(x)  # (R, width)
         for n in range(reference - 1, 0, -1):

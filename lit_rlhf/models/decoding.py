@@ -1,23 +1,41 @@
-"""A decoding-friendly LM head: the head's weight transposed once per ``generate`` call on CPU.
+"""A decoding-friendly LM head: the head's weight laid out for few-row products once per ``generate`` call.
 
-A decoding step multiplies a few rows (B, 1, H) by the LM head's (V, H) weight. ``nn.Linear`` computes
-``x @ W.T`` from the (V, H) layout, and on CPU the BLAS then packs (copies) the transposed weight on
-every call: at V = 32,000, H = 256 that copy costs as much as the product (measured 9-11 ms vs 5.9 ms
-per step for B = 8 on one core of this project's EPYC), and the head is most of a small model's
-decoding time. Multiplying by a (H, V) copy made once per ``generate`` call streams the weight
-without that copy. Same products, same sums: the logits agree with ``nn.Linear``'s to float rounding
-(bit-identical in the measured case); generation does not enter any loss (the old log-probs come from
-a scoring or update forward), so only which tokens are drawn could differ, and only by rounding.
+A decoding step multiplies a few rows (B, 1, H) by the LM head's (V, H) weight, which does not fit in
+cache: each step streams it from memory, and how a kernel walks it bounds the step. ``nn.Linear``
+computes ``x @ W.T`` from the (V, H) layout, and on CPU the BLAS (MKL) then packs (copies) the
+transposed weight on every call: at V = 32,000, H = 256 that copy costs as much as the product
+(measured 9-11 ms vs 5.9 ms per step for B = 8 on one core of this project's AMD EPYC), and the head is
+most of a small model's decoding time. Two layouts, made once per call, remove it:
+
+* ``"transposed"``: a (H, V) copy, multiplied with ``torch.matmul``; the BLAS streams it without a copy.
+  Same products and sums as ``nn.Linear``'s (bit-identical in the measured cases).
+* ``"packed"``: oneDNN's own blocked layout for few-row products (``torch.ops.mkldnn._reorder_linear_weight``,
+  multiplied by ``torch.ops.mkldnn._linear_pointwise``: the pair PyTorch's inductor uses for linear layers
+  on CPU). On the AMD EPYC, one core, cold cache, 8 rows: 2.6-2.8 ms against the transposed copy's 5.0 at
+  32,000 x 256, 10.6 against 26.0 at 50,257 x 768, 35.7 against 77.7 at 151,936 x 896; from 3 rows on it
+  is faster (4 rows: 2.0 against 4.2 ms), at 1-2 rows it is not (1 row: 2.4 against 1.4 ms), hence
+  ``PACKED_HEAD_MIN_ROWS``. Its logits differ from ``nn.Linear``'s by float rounding (<= 2.6e-6 in those
+  cases: another summation order), and each row's are the same whatever rows share the batch (1-16 rows
+  probed on that CPU; ``engines.lean_decode.min_rows`` probes this product too).
+
+Generation does not enter a loss through its logits except as the sampler's behaviour log-probs, which
+match a scoring forward to float rounding either way (``scoring.old_logprobs``), so only which tokens are
+drawn could differ from ``nn.Linear``'s, and only where a uniform falls within rounding of a boundary of
+the cumulative distribution. ``generate`` and the lean loop multiply by the same layout within a call,
+so their tokens stay identical to each other.
 
 Only where it is a plain dense ``nn.Linear`` head on CPU, unsharded, not wrapped by an adapter, and
 big enough to matter (``TRANSPOSED_HEAD_MIN_ELEMENTS``); elsewhere nothing changes (cuBLAS reads
-transposed operands without copies).
+transposed operands without copies). ``"auto"`` takes the packed layout for float32 heads of calls of at
+least ``PACKED_HEAD_MIN_ROWS`` rows on an x86-64 CPU whose PyTorch has oneDNN, the transposed one
+otherwise.
 
-Under CPU autocast (Lightning's ``precision: bf16-mixed``) the copy is made in the autocast dtype:
-autocast casts a float32 weight to bfloat16 for every matmul, and Lightning runs it without its weight
-cache, so the (H, V) copy would be cast again at every decoding step; cast once, it gives the same
-bfloat16 products (measured under autocast on the W1 benchmark's 20.6M-parameter Llama at V = 32,000, 8
-rows x <= 64 new tokens, one core of an AMX Xeon: 1.22-1.29 -> 0.89-0.95 CPU s per ``generate`` call).
+Under CPU autocast (Lightning's ``precision: bf16-mixed``) the transposed copy is made in the autocast
+dtype (never packed): autocast casts a float32 weight to bfloat16 for every matmul, and Lightning runs it
+without its weight cache, so the (H, V) copy would be cast again at every decoding step; cast once, it
+gives the same bfloat16 products (measured under autocast on the W1 benchmark's 20.6M-parameter Llama at
+V = 32,000, 8 rows x <= 64 new tokens, one core of an AMX Xeon: 1.22-1.29 -> 0.89-0.95 CPU s per
+``generate`` call).
 
 The same holds for every other weight under autocast: :func:`cached_autocast_casts` lets autocast cast each
 trainable float32 weight once per ``generate`` call instead of at every decoding step (autocast's own weight
@@ -27,7 +45,9 @@ while a call draws, so the products are the ones the per-step casts give, bit fo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import platform
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -35,10 +55,22 @@ from torch import nn
 
 from lit_rlhf.models.lm_head import _sharded
 
-__all__ = ["TRANSPOSED_HEAD_MIN_ELEMENTS", "cached_autocast_casts", "output_vocab_size", "transposed_lm_head"]
+__all__ = [
+    "DECODING_HEADS",
+    "PACKED_HEAD_MIN_ROWS",
+    "TRANSPOSED_HEAD_MIN_ELEMENTS",
+    "cached_autocast_casts",
+    "decoding_lm_head",
+    "head_layout",
+    "onednn_packs",
+    "output_vocab_size",
+    "packed_linear",
+]
 
 # Below 2**20 weight elements (4 MiB of float32) the per-call copy is cheap and stays in cache.
 TRANSPOSED_HEAD_MIN_ELEMENTS = 1 << 20
+DECODING_HEADS = ("auto", "packed", "transposed", "plain")
+PACKED_HEAD_MIN_ROWS = 3  # "auto" packs for calls of at least this many rows (see the module docstring)
 
 
 def output_vocab_size(model: nn.Module) -> int | None:
@@ -70,32 +102,84 @@ def _autocast_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack ``weight`` for the ``"packed"`` head here: a float32 CPU weight, x86-64,
+    PyTorch built with oneDNN and its linear-weight reorder."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(out, in) ``weight`` packed once by oneDNN -> the product ``x -> x @ weight.T + bias`` over its last
+    dimension (no grad: generation only)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    bias = None if bias is None else bias.detach()
+
+    def product(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+    return product
+
+
+def head_layout(weight: torch.Tensor, layout: str, rows: int) -> str:
+    """The layout :func:`decoding_lm_head` uses for a head of ``weight`` in a call of ``rows`` rows:
+    ``layout`` resolved (``"auto"``: packed where :func:`onednn_packs` and ``rows >=
+    PACKED_HEAD_MIN_ROWS``, else transposed); packed only outside autocast."""
+    if layout in ("transposed", "plain"):
+        return layout
+    can_pack = onednn_packs(weight) and _autocast_dtype(weight) == weight.dtype
+    if layout == "packed" and not can_pack:
+        warnings.warn(
+            "generation.decoding_head='packed': oneDNN cannot pack this head here (a float32 CPU weight on "
+            "x86-64 outside autocast); the transposed layout is used",
+            stacklevel=3,
+        )
+    return "packed" if can_pack and (layout == "packed" or rows >= PACKED_HEAD_MIN_ROWS) else "transposed"
+
+
 @contextmanager
-def transposed_lm_head(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
-    """Within the block, ``model``'s LM head multiplies by a (H, V) copy of its weight (no grad).
+def decoding_lm_head(model: nn.Module, layout: str = "auto", rows: int = PACKED_HEAD_MIN_ROWS) -> Iterator[str | None]:
+    """Within the block, ``model``'s LM head multiplies by a copy of its weight laid out for decoding (no grad).
 
     Args:
         model: a causal LM (plain, or a peft model whose head is not adapted).
-        enabled: False leaves the head alone.
+        layout: ``"auto"``, ``"packed"``, ``"transposed"`` or ``"plain"`` (leaves the head alone); see the
+            module docstring.
+        rows: the rows of the generation call (``"auto"`` packs from ``PACKED_HEAD_MIN_ROWS`` on).
 
     Yields:
-        Whether the head was swapped.
+        The layout the head multiplies by (``"packed"`` or ``"transposed"``), or None where it is left alone.
+
+    Raises:
+        ValueError: ``layout`` is not one of ``DECODING_HEADS``.
     """
-    head = _plain_head(model) if enabled else None
+    if layout not in DECODING_HEADS:
+        raise ValueError(f"decoding head layout must be one of {list(DECODING_HEADS)}, got {layout!r}")
+    head = _plain_head(model) if layout != "plain" else None
     if head is None:
-        yield False
+        yield None
         return
-    dtype = _autocast_dtype(head.weight)
-    weight_t = head.weight.detach().to(dtype).t().contiguous()  # (H, V)
-    bias = None if head.bias is None else head.bias.detach().to(dtype)
+    used = head_layout(head.weight, layout, rows)
+    if used == "packed":
+        forward = packed_linear(head.weight, head.bias)
+    else:
+        dtype = _autocast_dtype(head.weight)
+        weight_t = head.weight.detach().to(dtype).t().contiguous()  # (H, V)
+        bias = None if head.bias is None else head.bias.detach().to(dtype)
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V)
-        logits = torch.matmul(hidden, weight_t)
-        return logits if bias is None else logits + bias
+        def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V)
+            logits = torch.matmul(hidden, weight_t)
+            return logits if bias is None else logits + bias
 
+    forward.decoding_product = used  # what engines.lean_decode.min_rows probes for this head
     head.forward = forward  # an instance attribute: nn.Module.__call__ dispatches to it, hooks still run
     try:
-        yield True
+        yield used
     finally:
         del head.forward
 

@@ -29,7 +29,8 @@ W3 = ("ppo_bench.py", ("--workload", "W3_ppo", "--size", "full", "--rollouts", "
 ABLATIONS = {
     "old log-probs from the update": (W1, {"update": {"old_logprobs_from_update": False}}),
     "inverse-CDF sampler": (W1, {"generation": {"sampler": "multinomial"}}),
-    "transposed LM head": (W1, {"generation": {"transposed_head": False}}),
+    "decoding LM head layout": (W1, {"generation": {"decoding_head": "plain"}}),
+    "packed LM head (vs transposed)": (W1, {"generation": {"decoding_head": "transposed"}}),
     "group prefill": (W1, {"generation": {"group_prefill": "never"}}),
     "lean decoding loop": (W1, {"generation": {"decode_loop": "generate"}}),
     "shared-prompt layout": (W1, {"scoring": {"shared_prefix": "off"}}),
