@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import gpt2_config, llama_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
 from lit_rlhf.models.decoding import (
@@ -207,3 +209,40 @@ def test_cached_casts_are_cleared_when_the_block_ends(tokenizer_dir):
         assert not cached
     with torch.autocast("cpu", dtype=torch.bfloat16), cached_autocast_casts(model) as cached:
         assert not cached  # the enclosing region caches already
+
+
+@_NO_ONEDNN
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 9), depth=st.integers(1, 70), width=st.integers(1, 300), bias=st.booleans(),
+    steps=st.integers(1, 3), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_packed_linear_is_nn_linear_to_rounding(rows, depth, width, bias, steps, seed):
+    """Any shape, with or without a bias, 2-D or 3-D input, a non-contiguous view included."""
+    from lit_rlhf.models.decoding import packed_linear
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(width, depth, generator=generator)
+    b = torch.randn(width, generator=generator) if bias else None
+    x = torch.randn(rows, steps + 1, depth, generator=generator)[:, 1:]  # (rows, steps, depth), a view
+    product = packed_linear(weight, b)
+    expected = torch.nn.functional.linear(x, weight, b)
+    torch.testing.assert_close(product(x), expected, rtol=1e-5, atol=1e-5 * depth**0.5)
+    torch.testing.assert_close(product(x[:, -1]), expected[:, -1], rtol=1e-5, atol=1e-5 * depth**0.5)
+
+
+def test_a_head_onednn_cannot_pack_falls_back_to_the_transposed_copy(tokenizer_dir, monkeypatch):
+    from lit_rlhf.models import decoding
+
+    def refuse(weight, bias=None):
+        raise RuntimeError("no reorder here")
+
+    model = _model(tokenizer_dir, llama_config(), vocab=_wide(llama_config()))
+    monkeypatch.setattr(decoding, "onednn_packs", lambda weight: True)
+    monkeypatch.setattr(decoding, "packed_linear", refuse)
+    ids = torch.randint(5, 100, (3, 9))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with pytest.warns(UserWarning, match="could not be packed"), decoding_lm_head(model, "packed") as used:
+            assert used == "transposed"
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)

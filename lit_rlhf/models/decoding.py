@@ -164,10 +164,16 @@ def decoding_lm_head(model: nn.Module, layout: str = "auto", rows: int = PACKED_
     if head is None:
         yield None
         return
-    used = head_layout(head.weight, layout, rows)
+    used, forward = head_layout(head.weight, layout, rows), None
     if used == "packed":
-        forward = packed_linear(head.weight, head.bias)
-    else:
+        try:
+            forward = packed_linear(head.weight, head.bias)
+        except RuntimeError as error:  # a oneDNN build that cannot reorder this weight: the transposed copy
+            warnings.warn(
+                f"the LM head could not be packed by oneDNN ({error}); the transposed layout is used", stacklevel=3
+            )
+            used = "transposed"
+    if forward is None:
         dtype = _autocast_dtype(head.weight)
         weight_t = head.weight.detach().to(dtype).t().contiguous()  # (H, V)
         bias = None if head.bias is None else head.bias.detach().to(dtype)
