@@ -78,6 +78,44 @@ def test_sweep_shape_counts_a_fall_beyond_two_standard_errors_only():
     assert kl_sweep.sweep_shape(flat_gold, sft)["peaks_and_falls"] is False
 
 
+def test_runs_at_the_same_kl_within_its_noise_have_no_order():
+    """Two runs whose KLs differ by less than two standard errors lie at one KL: a proxy lower in the one with
+    the (slightly) larger KL is no fall. Separated beyond the KL's noise, the same proxies are one."""
+    sft = _noisy(_point(0.0, 0.0, 0.0))
+
+    def at(kl, gold, proxy, kl_std):
+        return {**_noisy(_point(kl, gold, proxy)), "kl_ref_std": kl_std}
+
+    # KL std 5 over 100 prompts: two KLs differ beyond 2 sqrt(25/100 + 25/100) = 1.41 nats
+    tied = [at(2.0, 3.0, 1.0, 5.0), at(13.0, 6.0, 2.4, 5.0), at(13.5, 5.0, 2.0, 5.0), at(20.0, 1.0, 2.5, 5.0)]
+    shape = kl_sweep.sweep_shape(tied, {**sft, "kl_ref_std": 0.0})
+    assert shape["proxy_falls"] is False and shape["proxy_largest_drop"] == 0.0
+    assert shape["peaks_and_falls"] is True
+    apart = [*tied[:2], at(16.0, 5.0, 2.0, 5.0), tied[3]]  # 3 nats apart: a fall of 0.4 > 0.283
+    shape = kl_sweep.sweep_shape(apart, {**sft, "kl_ref_std": 0.0})
+    assert shape["proxy_falls"] is True and shape["proxy_largest_drop"] == pytest.approx(0.4)
+
+
+def test_a_decline_in_steps_within_noise_is_a_fall_beyond_it():
+    """The proxy compared between every two points apart in KL, not only neighbours: a decline by steps of
+    0.15 (each within 0.283) falls 0.45 from the first to the last point."""
+    sft = _noisy(_point(0.0, 0.0, 0.0))
+    steps = [_noisy(_point(kl, 4.0, proxy)) for kl, proxy in ((8.0, 2.0), (12.0, 1.85), (16.0, 1.7), (20.0, 1.55))]
+    shape = kl_sweep.sweep_shape(steps, sft)
+    assert shape["proxy_largest_drop"] == pytest.approx(0.45) and shape["proxy_falls"] is True
+
+
+def test_the_evaluation_summary_has_the_kls_spread():
+    from lit_rlhf.demo.evaluate import summarize
+
+    rows = [
+        {"gold": g, "proxy": None, "kl_ref": kl, "grammatical": True, "length": 3, "truncated": False}
+        for g, kl in ((1.0, 2.0), (3.0, 6.0))
+    ]
+    summary = summarize(rows)
+    assert summary["kl_ref"] == 4.0 and summary["kl_ref_std"] == 2.0 and "proxy_mean" not in summary
+
+
 def _record(run: str, coef: float, seed: int) -> StageRecord:
     config = {"seed_everything": seed, "model": {"init_args": {"kl": {"coef": coef}}}}
     return StageRecord(run=run, key="k", config=config, log_dir="", wall_s=1.0)

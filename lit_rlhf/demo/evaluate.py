@@ -206,7 +206,7 @@ def sample_responses(
 
 
 def summarize(rows: Sequence[dict]) -> dict:
-    """Means (and standard deviations of gold and proxy) over the sampled responses of one policy.
+    """Means (and standard deviations of gold, proxy and KL) over the sampled responses of one policy.
 
     The proxy entries are left out when the rows have no proxy score (sampled without a reward model).
     """
@@ -218,6 +218,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         "gold_std": statistics.pstdev(gold),
         **({"proxy_mean": statistics.fmean(proxy), "proxy_std": statistics.pstdev(proxy)} if proxy else {}),
         "kl_ref": statistics.fmean(r["kl_ref"] for r in rows),
+        "kl_ref_std": statistics.pstdev(r["kl_ref"] for r in rows),
         "grammatical_rate": statistics.fmean(float(r["grammatical"]) for r in rows),
         "response_length": statistics.fmean(r["length"] for r in rows),
         "truncated_rate": statistics.fmean(float(r["truncated"]) for r in rows),

@@ -79,26 +79,35 @@ def sweep_shape(points: Sequence[dict], sft: dict) -> dict[str, Any]:
 
     Args:
         points: ``{"kl_ref", "gold_mean", "proxy_mean"}`` of each run of one seed (any order), optionally
-            with ``gold_std``, ``proxy_std`` and ``n_prompts`` (the evaluation's spread and size).
+            with ``kl_ref_std``, ``gold_std``, ``proxy_std`` and ``n_prompts`` (the evaluation's spreads and size).
         sft: the same keys for the SFT policy (its proxy by the weak RM).
 
     A difference between two points counts when it exceeds two standard errors of the difference of their
     means (independent samples of ``n_prompts`` responses each; exactly 0 without the spreads): at the
-    plateau of the proxy, the means of neighbouring points differ by sampling noise alone.
+    plateau of the proxy, the means of neighbouring points differ by sampling noise alone. The KL of a
+    point is such a mean too, so one point lies at a larger KL than another only when their KLs differ
+    beyond their noise; two runs that end at the same KL within it have no order along the KL, and a
+    difference of their proxies is no fall.
 
     Returns (rewards relative to the SFT policy's, points in order of KL): ``proxy_rise`` (proxy at the
-    largest KL), ``proxy_largest_drop`` (the largest fall of the proxy from one point to the next, 0 when
-    it never falls), ``proxy_falls`` (some fall exceeds its noise), ``gold_peak`` and ``gold_peak_kl``,
-    ``gold_at_largest_kl``, ``gold_drop_from_peak``, and ``peaks_and_falls``: the proxy rises (above SFT's,
-    with no fall beyond noise), the gold peaks at a point between KL 0 and the largest KL, and the gold at
-    the largest KL is below that peak beyond noise.
+    largest KL), ``proxy_largest_drop`` (the largest fall of the proxy from any point to one at a larger KL
+    beyond noise; 0 when it never falls), ``proxy_falls`` (some such fall exceeds its noise), ``gold_peak``
+    and ``gold_peak_kl``, ``gold_at_largest_kl``, ``gold_drop_from_peak``, and ``peaks_and_falls``: the
+    proxy rises (above SFT's, with no fall beyond noise), the gold peaks at a point between KL 0 and the
+    largest KL, and the gold at the largest KL is below that peak beyond noise.
     """
     ordered = [sft, *sorted(points, key=lambda p: p["kl_ref"])]
     proxy = [p["proxy_mean"] - sft["proxy_mean"] for p in ordered]  # (P + 1,)
     gold = [p["gold_mean"] - sft["gold_mean"] for p in ordered]  # (P + 1,)
     peak = max(range(len(gold)), key=gold.__getitem__)
-    drops = [before - after for before, after in zip(proxy, proxy[1:])]  # (P,)
-    noise = [_noise(a, b, "proxy") for a, b in zip(ordered, ordered[1:])]  # (P,)
+    pairs = [  # (i, j): point j lies at a larger KL than point i beyond the noise of the two KLs
+        (i, j)
+        for j in range(len(ordered))
+        for i in range(j)
+        if ordered[j]["kl_ref"] - ordered[i]["kl_ref"] > _noise(ordered[i], ordered[j], "kl_ref")
+    ]
+    drops = [proxy[i] - proxy[j] for i, j in pairs]  # (pairs,)
+    noise = [_noise(ordered[i], ordered[j], "proxy") for i, j in pairs]  # (pairs,)
     proxy_falls = any(drop > tolerance for drop, tolerance in zip(drops, noise))
     gold_falls = gold[peak] - gold[-1] > _noise(ordered[peak], ordered[-1], "gold")
     return {
@@ -120,13 +129,17 @@ def summary_fields(results: dict, runs: dict) -> dict[str, Any]:
     if not names or SFT_WEAK not in results:
         return {}
     keys = ("kl_ref", "gold_mean", "gold_std", "proxy_mean", "proxy_std", "grammatical_rate", "n_prompts")
+    optional = ("kl_ref_std",)  # absent from evaluations made before it was recorded
+
+    def fields(summary: dict) -> dict:
+        return {**{k: summary[k] for k in keys}, **{k: summary[k] for k in optional if k in summary}}
+
     points = []
     for run in names:
         config = runs[run].config
-        summary = results[run]["summary"]
         points.append({"run": run, "coef": config["model"]["init_args"]["kl"]["coef"],
-                       "seed": config["seed_everything"], **{k: summary[k] for k in keys}})  # fmt: skip
-    sft = {k: results[SFT_WEAK]["summary"][k] for k in keys}
+                       "seed": config["seed_everything"], **fields(results[run]["summary"])})  # fmt: skip
+    sft = fields(results[SFT_WEAK]["summary"])
     seeds = sorted({p["seed"] for p in points})
     shape = {str(s): sweep_shape([p for p in points if p["seed"] == s], sft) for s in seeds}
     return {"overoptimize_sweep": {"points": points, "sft": sft, "shape": shape}}
