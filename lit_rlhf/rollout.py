@@ -62,7 +62,9 @@ class GenerationSettings(Settings):
             ``nn.Linear``), ``"auto"`` (default) packed where oneDNN can pack the head and the call has at
             least 3 rows, transposed otherwise (and always under autocast, cast to its dtype once),
             ``"plain"`` the head as it is. Only for plain heads of at least 2**20 weights; ``generate`` and
-            the lean loop multiply by the same layout, so they draw the same tokens.
+            the lean loop multiply by the same layout, so they draw the same tokens. Replaces the earlier
+            ``transposed_head`` (true: ``"transposed"``, false: ``"plain"``; mapped when a config or
+            checkpoint still has it).
         decode_loop: which loop decodes (``lit_rlhf.engines.lean_decode``): ``"auto"`` (default) the lean
             loop where it can stand in for ``generate`` (the same forwards and random draws, hence the same
             tokens and behaviour log-probs, without ``generate``'s per-step cache concatenation, copies and
@@ -129,6 +131,15 @@ class GenerationSettings(Settings):
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"generation.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
+
+    @classmethod
+    def migrate(cls, values: dict) -> dict:
+        """``transposed_head`` (a bool, before ``decoding_head``): true the transposed copy, false the plain
+        head, as it multiplied then (so a resumed run draws as before); ``decoding_head`` wins if both."""
+        if "transposed_head" in values:
+            values = dict(values)
+            values.setdefault("decoding_head", "transposed" if values.pop("transposed_head") else "plain")
+        return values
 
     def drops_finished(self, device: torch.device | str) -> bool:
         """Whether the lean loop drops finished rows on ``device`` (see ``drop_finished``)."""

@@ -47,6 +47,7 @@ class Settings:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
+            value = cls.migrate(dict(value))
             names = [f.name for f in dataclasses.fields(cls)]
             unknown = sorted(set(value) - set(names))
             if unknown:
@@ -57,6 +58,24 @@ class Settings:
                 )
             return cls(**value)
         raise TypeError(f"{argument}: expected {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
+
+    @classmethod
+    def migrate(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` (fields by name) of an earlier version of the group rewritten into the current fields,
+        where a field's meaning moved to another (a YAML config, a checkpoint's hyper-parameters); here
+        unchanged. A subclass that replaces a field overrides it."""
+        return values
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (a checkpoint that stored the group itself): fields of an earlier version migrated
+        (:meth:`migrate`), fields added since at their defaults."""
+        state = type(self).migrate(dict(state))
+        for f in dataclasses.fields(self):
+            if f.name not in state and f.default is not dataclasses.MISSING:
+                state[f.name] = f.default
+            elif f.name not in state and f.default_factory is not dataclasses.MISSING:
+                state[f.name] = f.default_factory()
+        self.__dict__.update(state)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain fields, nested groups as dicts (what ``hparams.yaml`` stores)."""

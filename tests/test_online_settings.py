@@ -169,6 +169,36 @@ def test_a_checkpoint_of_the_flat_layout_loads_mapped(tokenizer_dir, tmp_path):
     assert migrated["update"]["epochs"] == 1 and migrated["advantage"] == {"estimator": "rloo", "gamma": 1.0}
 
 
+def test_generation_transposed_head_of_earlier_versions_maps_to_decoding_head(tokenizer_dir, tmp_path):
+    """``generation.transposed_head`` (a bool, replaced by ``decoding_head``) in a config, an evaluation
+    override, a pickled group and a checkpoint's hyper-parameters: the layout it multiplied by then."""
+    import pickle
+
+    assert GenerationSettings.coerce({"transposed_head": True}).decoding_head == "transposed"
+    assert GenerationSettings.coerce({"transposed_head": False}).decoding_head == "plain"
+    assert GenerationSettings.coerce({"transposed_head": False, "decoding_head": "packed"}).decoding_head == "packed"
+    evaluation = S.EvaluationSettings(generation={"transposed_head": False})
+    assert evaluation.resolve(GenerationSettings()).decoding_head == "plain"
+    old = GenerationSettings(top_k=3)  # as an earlier version pickled it: no decoding_head, no record_entropy
+    del old.__dict__["decoding_head"], old.__dict__["record_entropy"]
+    old.__dict__["transposed_head"] = False
+    assert pickle.loads(pickle.dumps(old)) == GenerationSettings(top_k=3, decoding_head="plain")
+
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=1)
+    fit = trainer(tmp_path, enable_checkpointing=True, default_root_dir=tmp_path)
+    fit.fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    path = tmp_path / "model.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    generation = checkpoint["hyper_parameters"]["generation"]
+    generation = dict(generation if isinstance(generation, dict) else generation.as_dict())
+    del generation["decoding_head"]
+    checkpoint["hyper_parameters"]["generation"] = {**generation, "transposed_head": True}
+    torch.save(checkpoint, path)
+    loaded = CriticFreeModule.load_from_checkpoint(path)
+    assert loaded.generation == GenerationSettings(**{**module.generation.as_dict(), "decoding_head": "transposed"})
+
+
 def test_the_package_cites_only_what_a_reader_can_open():
     """No citation of the background notes or the design file: neither is in the repository."""
     offenders = [

@@ -356,7 +356,7 @@ class EvaluationSettings(Settings):
 
     def resolve(self, generation: GenerationSettings) -> GenerationSettings:
         """The settings of evaluation rollouts: ``generation`` with one sample per prompt, overridden."""
-        overrides = dict(self.generation or {})
+        overrides = GenerationSettings.migrate(dict(self.generation or {}))
         names = [f.name for f in fields(GenerationSettings)]
         unknown = sorted(set(overrides) - set(names))
         if unknown:
