@@ -4,9 +4,10 @@ floor, the weight-streaming floor and the memory-read floor.
 
 The W1 setting of ``grpo_bench.py``: the prebuilt 32,000-token actor (20.6M parameters), one prompt of
 ``grpo_prompts`` per rollout repeated K = 8 times, up to 64 new tokens at temperature 1, ``generate_responses``
-as the online modules call it (group prefill "auto", sampler "auto" = inverse CDF, transposed head). The three
-loops (:data:`LOOPS`) run in rotating order with the same seed and prompt per round, after one warm-up round;
-each round's tokens and behaviour log-probs are checked equal to ``generate``'s.
+as the online modules call it (group prefill "auto", sampler "auto" = inverse CDF, decoding head "auto" = the
+oneDNN-packed LM head on x86-64, the transposed copy elsewhere). The three loops (:data:`LOOPS`) run in rotating
+order with the same seed and prompt per round, after one warm-up round; each round's tokens and behaviour
+log-probs are checked equal to ``generate``'s (the same head layout).
 
 Per call: the prefill (until the end of the forwards of more than one token column) and the decoding steps
 (the rest, over the forwards of one column: one per response token). Floors per decoding step, both from
