@@ -58,7 +58,7 @@ class GenerationSettings(Settings):
             (``lit_rlhf.models.decoding``: the BLAS otherwise repacks the (V, H) weight at every decoding
             step, as long as the product itself): ``"packed"`` oneDNN's blocked layout for few-row products
             (float32 on x86-64; ~2x faster than the transposed copy from 3 rows on; logits equal to float
-            rounding, <= 2.6e-6 in the measured cases), ``"transposed"`` a (H, V) copy (the same products as
+            rounding, <= 8.1e-6 in the measured cases), ``"transposed"`` a (H, V) copy (the same products as
             ``nn.Linear``), ``"auto"`` (default) packed where oneDNN can pack the head and the call has at
             least 3 rows, transposed otherwise (and always under autocast, cast to its dtype once),
             ``"plain"`` the head as it is. Only for plain heads of at least 2**20 weights; ``generate`` and

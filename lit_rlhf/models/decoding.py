@@ -15,8 +15,8 @@ most of a small model's decoding time. Two layouts, made once per call, remove i
   32,000 x 256, 10.6 against 26.0 at 50,257 x 768, 35.7 against 77.7 at 151,936 x 896; from 3 rows on it
   is faster (4 rows: 2.0 against 4.2 ms), at 1-2 rows it is not (1 row: 2.4 against 1.4 ms), hence
   ``PACKED_HEAD_MIN_ROWS``. Its logits differ from ``nn.Linear``'s by float rounding (<= 2.6e-6 in those
-  cases: another summation order), and each row's are the same whatever rows share the batch (1-16 rows
-  probed on that CPU; ``engines.lean_decode.min_rows`` probes this product too).
+  cases, 8.1e-6 at 32,000 x 2,048: another summation order), and each row's are the same whatever rows
+  share the batch (1-16 rows probed on that CPU; ``engines.lean_decode.min_rows`` probes this product too).
 
 Generation does not enter a loss through its logits except as the sampler's behaviour log-probs, which
 match a scoring forward to float rounding either way (``scoring.old_logprobs``), so only which tokens are
