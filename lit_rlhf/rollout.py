@@ -59,9 +59,9 @@ class GenerationSettings(Settings):
             step, as long as the product itself): ``"packed"`` oneDNN's blocked layout for few-row products
             (float32 on x86-64; 1.7-3x faster than the transposed copy at 3-8 rows, 1.3-1.5x at 32-64;
             logits equal to float rounding, <= 8.1e-6 in the measured cases), ``"transposed"`` a (H, V) copy
-            (the same products as
-            ``nn.Linear``), ``"auto"`` (default) packed where oneDNN can pack the head and the call has at
-            least 3 rows, transposed otherwise (and always under autocast, cast to its dtype once),
+            (the same products as ``nn.Linear``), ``"auto"`` (default) packed where oneDNN can pack the head
+            and the call has at least 3 rows, transposed otherwise (and always under autocast, cast to its
+            dtype once),
             ``"plain"`` the head as it is. Only for plain heads of at least 2**20 weights; ``generate`` and
             the lean loop multiply by the same layout, so they draw the same tokens. Replaces the earlier
             ``transposed_head`` (true: ``"transposed"``, false: ``"plain"``; mapped when a config or
