@@ -38,7 +38,7 @@ import functools
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from lit_rlhf.models.decoding import packed_linear
+from lit_rlhf.models.decoding import packed_linear, transposed_linear
 from lit_rlhf.models.prefill import _accepts, cache_argument
 from lit_rlhf.models.sampling import BehaviourRecorder, InverseCDFSampler, MultinomialRecorder
 from lit_rlhf.models.scoring import position_ids_from_mask
@@ -265,8 +265,8 @@ def min_rows(model: torch.nn.Module, batch: int) -> int:
         if not (isinstance(module, torch.nn.Linear) or transposed) or weight is None or weight.dim() != 2:
             continue
         depth, width = weight.shape if transposed else weight.shape[::-1]
-        kind = getattr(module.__dict__.get("forward"), "decoding_product", "matmul" if transposed else "linear")
-        kind = "matmul" if kind == "transposed" else kind  # the head's (H, V) copy multiplies as Conv1D does
+        # the product it runs: a decoding head's layout, else Conv1D's x @ W (as the transposed layout) or F.linear
+        kind = getattr(module.__dict__.get("forward"), "layout", "transposed" if transposed else "linear")
         shapes.add((depth, min(width, _PROBE_COLUMNS), kind, weight.dtype, weight.device.type))
     reference, threads = min(batch, PROBE_ROWS), torch.get_num_threads()
     probed = [_rounding_rows(*shape, threads, reference) for shape in sorted(shapes, key=str)]
@@ -279,16 +279,14 @@ def _rounding_rows(
 ) -> int:
     """1 + the largest row count under ``reference`` whose (n, depth) x (depth, width) product rounds a row
     otherwise than the same rows in a batch of ``reference`` rows (1 when none does). ``kind``: how it is
-    multiplied: ``"linear"`` (``F.linear`` by a (width, depth) weight), ``"matmul"`` (by a (depth, width)
-    one) or ``"packed"`` (``models.decoding.packed_linear``)."""
+    multiplied: ``"linear"`` (``F.linear``), ``"transposed"`` (``models.decoding.transposed_linear``: by a
+    (depth, width) copy, as GPT-2's ``Conv1D`` multiplies) or ``"packed"`` (``models.decoding.packed_linear``)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(reference, depth, generator=generator).to(device=device, dtype=dtype)  # (R, depth)
     weight = torch.randn(width, depth, generator=generator).to(device=device, dtype=dtype)  # (width, depth)
-    if kind == "packed":
-        product = packed_linear(weight)  # (n, depth) -> (n, width), as the layer multiplies
-    elif kind == "matmul":
-        weight_t = weight.t().contiguous()  # (depth, width)
-        product = lambda rows: rows @ weight_t  # noqa: E731
+    products = {"packed": packed_linear, "transposed": transposed_linear}
+    if kind in products:
+        product = products[kind](weight)  # (n, depth) -> (n, width), as the layer multiplies
     else:
         product = lambda rows: torch.nn.functional.linear(rows, weight)  # noqa: E731
     with torch.no_grad():

@@ -61,10 +61,10 @@ __all__ = [
     "TRANSPOSED_HEAD_MIN_ELEMENTS",
     "cached_autocast_casts",
     "decoding_lm_head",
-    "head_layout",
     "onednn_packs",
     "output_vocab_size",
     "packed_linear",
+    "transposed_linear",
 ]
 
 # Below 2**20 weight elements (4 MiB of float32) the per-call copy is cheap and stays in cache.
@@ -116,28 +116,45 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """(out, in) ``weight`` packed once by oneDNN -> the product ``x -> x @ weight.T + bias`` over its last
-    dimension (no grad: generation only)."""
+    dimension (no grad: generation only), tagged ``layout = "packed"``."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     bias = None if bias is None else bias.detach()
 
     def product(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
+    product.layout = "packed"
     return product
 
 
-def head_layout(weight: torch.Tensor, layout: str, rows: int) -> str:
-    """The layout :func:`decoding_lm_head` uses for a head of ``weight`` in a call of ``rows`` rows:
-    ``layout`` resolved (``"auto"``: packed where :func:`onednn_packs` and ``rows >=
-    PACKED_HEAD_MIN_ROWS``, else transposed); packed only outside autocast."""
-    if layout in ("transposed", "plain"):
+def transposed_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(out, in) ``weight`` copied once as (in, out) in ``dtype`` (default: its own) -> the product ``x -> x @
+    weight.T + bias`` from that copy (no grad: generation only), tagged ``layout = "transposed"``."""
+    weight_t = weight.detach().to(dtype or weight.dtype).t().contiguous()  # (in, out)
+    bias = None if bias is None else bias.detach().to(weight_t.dtype)
+
+    def product(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        out = torch.matmul(x, weight_t)
+        return out if bias is None else out + bias
+
+    product.layout = "transposed"
+    return product
+
+
+def _head_layout(weight: torch.Tensor, layout: str, rows: int) -> str:
+    """``"packed"`` or ``"transposed"``: ``layout`` (not ``"plain"``) resolved for a head of ``weight`` in a call
+    of ``rows`` rows (``"auto"``: packed where :func:`onednn_packs` and ``rows >= PACKED_HEAD_MIN_ROWS``);
+    packed only outside autocast."""
+    if layout == "transposed":
         return layout
     can_pack = onednn_packs(weight) and _autocast_dtype(weight) == weight.dtype
     if layout == "packed" and not can_pack:
         warnings.warn(
             "generation.decoding_head='packed': oneDNN cannot pack this head here (a float32 CPU weight on "
             "x86-64 outside autocast); the transposed layout is used",
-            stacklevel=3,
+            stacklevel=4,
         )
     return "packed" if can_pack and (layout == "packed" or rows >= PACKED_HEAD_MIN_ROWS) else "transposed"
 
@@ -154,6 +171,7 @@ def decoding_lm_head(model: nn.Module, layout: str = "auto", rows: int = PACKED_
 
     Yields:
         The layout the head multiplies by (``"packed"`` or ``"transposed"``), or None where it is left alone.
+        The swapped forward carries it as ``forward.layout`` (``engines.lean_decode.min_rows`` probes it).
 
     Raises:
         ValueError: ``layout`` is not one of ``DECODING_HEADS``.
@@ -164,28 +182,19 @@ def decoding_lm_head(model: nn.Module, layout: str = "auto", rows: int = PACKED_
     if head is None:
         yield None
         return
-    used, forward = head_layout(head.weight, layout, rows), None
-    if used == "packed":
+    forward = None
+    if _head_layout(head.weight, layout, rows) == "packed":
         try:
             forward = packed_linear(head.weight, head.bias)
         except RuntimeError as error:  # a oneDNN build that cannot reorder this weight: the transposed copy
             warnings.warn(
                 f"the LM head could not be packed by oneDNN ({error}); the transposed layout is used", stacklevel=3
             )
-            used = "transposed"
     if forward is None:
-        dtype = _autocast_dtype(head.weight)
-        weight_t = head.weight.detach().to(dtype).t().contiguous()  # (H, V)
-        bias = None if head.bias is None else head.bias.detach().to(dtype)
-
-        def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V)
-            logits = torch.matmul(hidden, weight_t)
-            return logits if bias is None else logits + bias
-
-    forward.decoding_product = used  # what engines.lean_decode.min_rows probes for this head
+        forward = transposed_linear(head.weight, head.bias, _autocast_dtype(head.weight))
     head.forward = forward  # an instance attribute: nn.Module.__call__ dispatches to it, hooks still run
     try:
-        yield used
+        yield forward.layout
     finally:
         del head.forward
 
