@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit_rlhf.demo import compare, curves, pipeline, report, stages
+from lit_rlhf.demo import compare, curves, evaluate, pipeline, report, stages
 
 REQUIRED_KEYS = (
     "rm_val_accuracy", "sft_gold_mean", "sft_gold_std", "ppo_gold_mean", "ppo_gold_std", "ppo_kl_ref",
@@ -518,3 +519,100 @@ def test_member_agreement_by_hand_and_on_the_small_run(small_run, tmp_path):
     assert json.loads((out / "member_agreement_seed0.json").read_text()) == json.loads(json.dumps(result))
     with pytest.raises(SystemExit):  # a folder without the ensembles: argparse's error names the members
         member_agreement.main(["--out", str(tmp_path)])
+
+
+def test_prior_study_texts_and_ordering_by_hand():
+    from lit_rlhf.demo import prior_study, world
+
+    rng = random.Random(0)
+    exploit = prior_study.exploit_reviews(rng, 10)
+    for i, text in enumerate(exploit):  # 4, 5, ..., 8, 4, ... positive clauses: beyond the grammar's three
+        assert text.count(" and ") == 4 + i % 5 and not world.is_grammatical(text)  # prompts have no "and"
+        assert world.gold_reward(text) == world.UNGRAMMATICAL_REWARD
+    good = prior_study.good_reviews(rng, 5)
+    assert all(world.is_grammatical(t) and world.gold_reward(t) >= prior_study.GOOD_MIN_GOLD for t in good)
+    # good scores 1, 3 against exploit scores 2, 3: only (3 > 2) of the four pairs is ordered
+    assert prior_study.ordered_share(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 3.0])) == 0.25
+
+
+def test_prior_study_on_the_small_run(small_run, capsys):
+    """Members with a prior score f + beta p: p frozen, unit std on the training texts; beta 0 is f alone."""
+    from lit_rlhf.demo import prior_study
+    from lit_rlhf.models import load_tokenizer, sequence_scores
+
+    out, *_ = small_run
+    tokenizer = load_tokenizer(str(out / "sft"))
+    pairs = evaluate.read_jsonl(out / "assets" / "prefs_train.jsonl")[:64]
+    member = prior_study.train_member(out, tokenizer, pairs, seed=0, beta=2.0, steps=2)
+    enc = tokenizer(
+        [p["prompt"] + p["chosen"] + tokenizer.eos_token for p in pairs[:8]],
+        return_tensors="pt",
+        padding=True,
+    )
+    f = sequence_scores(member.f, enc["input_ids"], enc["attention_mask"])
+    p = sequence_scores(member.prior, enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(member(enc["input_ids"], enc["attention_mask"]), f + 2.0 * p)
+    assert not any(q.requires_grad for q in member.prior.parameters())
+    texts = [r["prompt"] + r["chosen"] + tokenizer.eos_token for r in pairs]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    assert sequence_scores(
+        member.prior, enc["input_ids"], enc["attention_mask"]
+    ).std().item() == pytest.approx(1.0, abs=1e-4)
+    argv = [
+        "--out",
+        str(out),
+        "--betas",
+        "0,1",
+        "--draws",
+        "0",
+        "--steps",
+        "2",
+        "--texts",
+        "4",
+        "--pairs",
+        "64",
+        "--threads",
+        "1",
+    ]
+    results = prior_study.main(argv)
+    assert [(r["draw"], r["beta"]) for r in results] == [(0, 0.0), (0, 1.0)]
+    for r in results:
+        assert len(r["member_accuracy"]) == 3 and 0.0 <= r["p_good_over_exploit_1std"] <= 1.0
+        assert r["good"]["mean_minus_spread"] == pytest.approx(
+            r["good"]["mean"] - r["good"]["spread"], abs=1e-5
+        )
+    assert json.loads((out / "prior_study.json").read_text()) == json.loads(json.dumps(results))
+    assert capsys.readouterr().out.count("\n| 0 |") == 2
+    # exported, reloaded as a reward function: mean - 1 std of f + beta p over the members, EOS where one stopped
+    results = prior_study.main([*argv[:2], "--betas", "1", "--draws", "0", "--steps", "2", "--texts", "4",
+                                "--pairs", "64", "--threads", "1", "--small", "--ppo-seeds", "0"])  # fmt: skip
+    folder = out / prior_study.STUDY / "beta1_draw0"
+    members, _ = prior_study.load_ensemble(str(folder))
+    assert [m.beta for m in members] == [1.0] * 3 and all(m.prior is not None for m in members)
+    prompt, response = pairs[0]["prompt"], pairs[0]["chosen"]
+    eos_id = tokenizer.eos_token_id
+    got = prior_study.prior_ensemble_reward(prompts=[prompt] * 2, completions=[response] * 2, completion_ids=[[5, eos_id], [5]], folder=str(folder))
+    for text, value in zip([prompt + response + tokenizer.eos_token, prompt + response], got):
+        each = prior_study.scores(members, tokenizer, [text])  # (3, 1)
+        assert value == pytest.approx((each.mean() - each.std(correction=0)).item(), abs=1e-5)
+    assert got[0] != got[1]
+    entry = results[0]["ppo"]
+    assert [r["seed"] for r in entry["seeds"]] == [0] and entry["seeds"][0]["run"] == "beta1_draw0_t1_seed0"
+    assert (out / prior_study.STUDY / "beta1_draw0_t1_seed0" / "actor").is_dir()
+    assert "beta 1, draw 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--betas", "x"], "must be numbers"),
+        (["--betas", "-1"], "must be >= 0"),
+        ([], "run the demo pipeline first"),
+    ],
+)
+def test_prior_study_bad_arguments_are_usage_errors(args, message, tmp_path, capsys):
+    from lit_rlhf.demo import prior_study
+
+    with pytest.raises(SystemExit) as exit_info:
+        prior_study.main(["--out", str(tmp_path), *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
