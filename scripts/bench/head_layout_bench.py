@@ -17,6 +17,8 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,9 +62,7 @@ def products() -> None:
 
 
 def w1_steps(assets: str, rounds: int = 12) -> None:
-    from dataclasses import replace
-    from functools import partial
-
+    """W1's decoding step with each layout (see the module docstring); its harness is decode_bench's."""
     from decode_bench import Phases
     from workloads import GRPO, MAX_NEW_TOKENS, load_w1_actor
 
