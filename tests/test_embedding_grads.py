@@ -40,10 +40,9 @@ class Tiny(nn.Module):
 def _grads(model: Tiny, micro_batches: list[torch.Tensor], accumulate: bool, steps: int = 1) -> list[torch.Tensor]:
     """The embedding's gradient after each of ``steps`` optimiser steps' accumulations of ``micro_batches``."""
     out = []
-    with EmbeddingGradAccumulator([model], enabled=accumulate) as acc:
+    with EmbeddingGradAccumulator([model], enabled=accumulate):
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
-            acc.attach()
             for ids in micro_batches:
                 model(ids).backward()
                 assert not model.embed.weight.grad.is_sparse
@@ -75,37 +74,51 @@ def test_accumulated_gradient_equals_the_dense_backward(shapes, seed, padding):
         embedding_grads.ACCUMULATE_MIN_ELEMENTS = saved
 
 
-def test_one_dense_buffer_per_step_seen_dense_by_hooks(no_size_floor):
+def test_one_dense_buffer_made_at_the_first_backward_reused_and_seen_dense_by_hooks(no_size_floor):
     model = Tiny()
     seen = []
     model.embed.weight.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.is_sparse, id(p.grad))))
     ids = torch.tensor([[1, 2, 2, 3]])
-    with EmbeddingGradAccumulator([model]) as acc:
+    with EmbeddingGradAccumulator([model]):
         assert model.embed.sparse
-        acc.attach()
+        loss = model(ids)
+        assert model.embed.weight.grad is None  # nothing (V, H) held through the forward
+        loss.backward()
         first = model.embed.weight.grad
-        assert torch.equal(first, torch.zeros(V, H))
-        model(ids).backward()
+        assert not first.is_sparse and first.shape == (V, H)
+        assert first[1].abs().sum() > 0 and torch.equal(first[4], torch.zeros(H))
         model(ids).backward()
         assert model.embed.weight.grad is first  # accumulated in place
         assert seen == [(False, id(first))] * 2
         model.zero_grad(set_to_none=True)
-        acc.attach()
-        assert model.embed.weight.grad is first and torch.equal(first, torch.zeros(V, H))  # zeroed, reused
+        model(ids).backward()
+        assert model.embed.weight.grad is first  # zeroed and reused at the next step
+        torch.testing.assert_close(first, _dense_grad(model, ids))
         model.embed.weight.grad = kept = torch.ones(V, H)
-        acc.attach()  # a gradient already there is left alone
-        assert model.embed.weight.grad is kept
+        model(ids).backward()  # a gradient already there is accumulated into
+        assert model.embed.weight.grad is kept and kept[4].eq(1).all() and not kept[1].eq(1).all()
     assert not model.embed.sparse
+    model.zero_grad(set_to_none=True)
+    model(ids).backward()  # the hook is gone: the plain dense backward
+    assert not model.embed.weight.grad.is_sparse
 
 
-def test_a_backward_without_attach_is_dense_again_on_exit(no_size_floor):
+def _dense_grad(model: Tiny, ids: torch.Tensor) -> torch.Tensor:
+    """The plain dense backward's embedding gradient of one micro-batch, on a copy of ``model``."""
+    import copy
+
+    plain = copy.deepcopy(model)
+    plain.embed.sparse, plain.embed.weight.grad = False, None
+    plain(ids).backward()
+    return plain.embed.weight.grad
+
+
+def test_a_sparse_gradient_left_inside_is_dense_again_on_exit(no_size_floor):
     model = Tiny()
     with EmbeddingGradAccumulator([model]):
-        model(torch.tensor([[4, 5]])).backward()
-        assert model.embed.weight.grad.is_sparse
+        model.embed.weight.grad = torch.zeros(V, H).to_sparse()
     grad = model.embed.weight.grad
     assert not grad.is_sparse and not model.embed.sparse
-    assert grad[4].abs().sum() > 0 and torch.equal(grad[6], torch.zeros(H))
 
 
 def test_an_error_inside_restores_the_dense_embedding(no_size_floor):
@@ -128,9 +141,9 @@ def test_only_where_it_changes_nothing_else(monkeypatch):
     own = Tiny()
     own.embed.sparse = True  # the user's own sparse embedding: not ours to touch
     assert accumulated_embeddings(own) == []
-    with EmbeddingGradAccumulator([own]) as acc:
-        acc.attach()
-        assert own.embed.weight.grad is None
+    with EmbeddingGradAccumulator([own]):
+        own(torch.tensor([[1, 2]])).backward()
+        assert own.embed.weight.grad.is_sparse  # left as the user made it
     assert own.embed.sparse
     assert EmbeddingGradAccumulator([plain], enabled=False).embeddings == []
     shared = EmbeddingGradAccumulator([plain, plain])  # one model listed twice (a shared backbone)
@@ -148,10 +161,10 @@ def test_an_online_fit_trains_as_with_dense_gradients(algorithm, tokenizer_dir, 
     """The same tiny fit with every embedding (actor, critic) accumulated row by row and with
     ``update.embedding_grads: dense``."""
     monkeypatch.setattr(embedding_grads, "ACCUMULATE_MIN_ELEMENTS", 0)
-    attached = []
-    attach = EmbeddingGradAccumulator.attach
+    attached = []  # the embeddings accumulated row by row, per update
+    enter = EmbeddingGradAccumulator.__enter__
     monkeypatch.setattr(
-        EmbeddingGradAccumulator, "attach", lambda self: (attached.append(len(self.embeddings)), attach(self))[1]
+        EmbeddingGradAccumulator, "__enter__", lambda self: (attached.append(len(self.embeddings)), enter(self))[1]
     )
 
     targets = []  # the fused LM head's weight gradient added in place (models.fused_head) under "auto"

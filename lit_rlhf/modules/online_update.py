@@ -56,7 +56,6 @@ class OnlineUpdate(LightningModule):
             for _ in range(self.update.epochs):
                 epoch_kl = []
                 for mb in self.buffer.minibatches():
-                    embeddings.attach()
                     stats, took_step = self.minibatch_step(loss_fn, mb, optimized, params)
                     stepped |= took_step
                     epoch_kl.append(stats["policy_kl"])

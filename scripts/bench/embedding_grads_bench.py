@@ -35,8 +35,7 @@ from lit_rlhf.modules.optim import AdamW  # noqa: E402
 def step(actor, optimizer, batches, response: int, rowwise: bool) -> tuple[float, torch.Tensor]:
     """Seconds of one optimiser step over ``batches``, and the embedding's gradient before the step."""
     start = time.perf_counter()
-    with EmbeddingGradAccumulator([actor], enabled=rowwise) as accumulator:
-        accumulator.attach()
+    with EmbeddingGradAccumulator([actor], enabled=rowwise):
         for ids in batches:
             logprobs, _, _ = policy_forward(actor, ids, torch.ones_like(ids), response, 1.0, entropy=False)
             (-logprobs.mean() / len(batches)).backward()
