@@ -15,8 +15,8 @@ clipping, the non-finite guard, the optimiser), equal to the dense path's up to 
 and the table is zeroed once per optimiser step, in one buffer reused from step to step, instead of filled
 and added once per micro-batch. The first step's buffer is made where the dense path makes its gradient, at
 the embedding's backward, the last of the backward pass: not held through the first forward and the start of
-its backward, where activations peak (W1, one optimiser step per update: 18 MB less peak RSS than a buffer
-made before the forward).
+its backward, where activations peak (the W1 benchmark, one optimiser step per update: 23 MB less peak RSS
+than a buffer made before the forward).
 
 Only where it cannot change anything else: a plain ``nn.Embedding`` (or subclass) with a trainable weight of
 at least :data:`ACCUMULATE_MIN_ELEMENTS` elements on the CPU, not tied to a linear layer (a tied LM head's
