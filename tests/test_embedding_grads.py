@@ -104,11 +104,10 @@ def test_one_dense_buffer_made_at_the_first_backward_reused_and_seen_dense_by_ho
 
 
 def _dense_grad(model: Tiny, ids: torch.Tensor) -> torch.Tensor:
-    """The plain dense backward's embedding gradient of one micro-batch, on a copy of ``model``."""
-    import copy
-
-    plain = copy.deepcopy(model)
-    plain.embed.sparse, plain.embed.weight.grad = False, None
+    """The plain dense backward's embedding gradient of one micro-batch, on a fresh model with ``model``'s weights
+    (no hooks, dense embedding)."""
+    plain = Tiny()
+    plain.load_state_dict(model.state_dict())
     plain(ids).backward()
     return plain.embed.weight.grad
 
