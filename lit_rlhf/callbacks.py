@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -138,6 +139,17 @@ class HFExport(Callback):
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")
 
 
+def checkpoint_file(trainer: Trainer, dirpath: str | None, filename: str) -> str:
+    """``dirpath/filename.ckpt``; without ``dirpath`` the first ``ModelCheckpoint``'s folder (where
+    ``ckpt_path="last"`` looks), else ``default_root_dir/checkpoints``."""
+    folder = dirpath
+    if folder is None and trainer.checkpoint_callback is not None:
+        folder = getattr(trainer.checkpoint_callback, "dirpath", None)
+    if folder is None:
+        folder = os.path.join(trainer.default_root_dir, "checkpoints")
+    return os.path.join(folder, filename + ".ckpt")
+
+
 def _callbacks_restored_late(trainer: Trainer) -> bool:
     """Whether the strategy restores a resumed fit's callback states only after ``on_fit_start`` (FSDP,
     ModelParallel, DeepSpeed: ``restore_checkpoint_after_setup``; whether the fit resumes is not known yet
@@ -161,9 +173,10 @@ class CheckpointFolderCheck(Callback):
             if dirpath is not None:
                 check_output_folder(dirpath, f"{type(callback).__name__} dirpath")
         for callback in trainer.callbacks:
-            if isinstance(callback, SigtermCheckpoint):  # its file goes to a folder of its own choosing
-                folder = os.path.dirname(callback.checkpoint_path(trainer))
-                check_output_folder(folder, "SigtermCheckpoint dirpath")
+            # SigtermCheckpoint, FaultCheckpoint: their files go to folders of their own choosing
+            path = getattr(callback, "checkpoint_path", None)
+            if callable(path) and not isinstance(callback, ModelCheckpoint):
+                check_output_folder(os.path.dirname(path(trainer)), f"{type(callback).__name__} dirpath")
 
 
 class SigtermCheckpoint(Callback):
@@ -247,12 +260,7 @@ class SigtermCheckpoint(Callback):
         self._synced = False
 
     def checkpoint_path(self, trainer: Trainer) -> str:
-        folder = self.dirpath
-        if folder is None and trainer.checkpoint_callback is not None:
-            folder = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if folder is None:
-            folder = os.path.join(trainer.default_root_dir, "checkpoints")
-        return os.path.join(folder, self.filename + ".ckpt")
+        return checkpoint_file(trainer, self.dirpath, self.filename)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

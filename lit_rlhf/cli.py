@@ -9,8 +9,9 @@ Subclass mode: ``model`` and ``data`` are ``class_path`` + ``init_args``, so one
 TensorBoard is the default logger, under ``runs/``.
 
 Reliability (README, "Reliability"): every fit gets a :class:`~lit_rlhf.callbacks.SigtermCheckpoint`
-(SIGTERM saves a resumable checkpoint and exits 143) and a :class:`~lit_rlhf.callbacks.CheckpointFolderCheck`
-(checkpoint folders that cannot be written are refused before the first step). ``--ckpt_path`` is checked
+(SIGTERM saves a resumable checkpoint and exits 143), a :class:`~lit_rlhf.fault_checkpoint.FaultCheckpoint`
+(an exception in the fit saves the state of the last finished step) and a
+:class:`~lit_rlhf.callbacks.CheckpointFolderCheck` (checkpoint folders that cannot be written are refused before the first step). ``--ckpt_path`` is checked
 before anything runs: a damaged file is named with what is wrong with it (``last`` is resolved the way
 Lightning does, newest ``last*.ckpt``, and that file checked the same way; ``last`` with nothing to resume
 from is an error), and so is a checkpoint of another module class than the config's. On resume from a file
@@ -43,6 +44,7 @@ from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
 from lit_rlhf.cli_errors import DEBUG_ENV, fail, fail_on_project_error, in_setup_hook, moved_keys_message
 from lit_rlhf.cli_resume import FIXED_ON_RESUME, CheckpointInfo, _import_class, find_last_checkpoint
+from lit_rlhf.fault_checkpoint import FaultCheckpoint
 from lit_rlhf.process_groups import release_process_groups
 
 __all__ = ["DEBUG_ENV", "FIXED_ON_RESUME", "LitRLHFCLI", "main", "moved_keys_message", "run_cli"]
@@ -145,7 +147,7 @@ class LitRLHFCLI(LightningCLI):
         kwargs["callbacks"] = given + default_callbacks(self.model, config)
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit":
-            for cls in (SigtermCheckpoint, CheckpointFolderCheck):
+            for cls in (SigtermCheckpoint, FaultCheckpoint, CheckpointFolderCheck):
                 if not any(isinstance(c, cls) for c in trainer.callbacks):
                     trainer.callbacks.append(cls())
         return trainer

@@ -230,8 +230,6 @@ def write_prompts(path: Path, n: int = 16) -> Path:
     return path
 
 
-GRPO_CHECKPOINTS = ("--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath=runs/grpo_tiny/checkpoints",
-                    "--trainer.callbacks.save_last=true")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +237,10 @@ def online_checkpoints(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     """last.ckpt of a one-rollout PPO fit (K = 1) and of a one-rollout GRPO fit (K = 4)."""
     prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
     out = {}
-    for name, extra in (("ppo", ()), ("grpo", GRPO_CHECKPOINTS)):
+    for name in ("ppo", "grpo"):  # both configs keep ModelCheckpoint(dirpath=runs/<name>/checkpoints, save_last)
         cwd = tmp_path_factory.mktemp(f"{name}_one_rollout")
         proc = ppo_fit(tokenizer_dir, prompts, cwd, "--model.init_args.max_rollouts=1", "--trainer.logger=false",
-                       *extra, config=f"{name}_tiny")  # fmt: skip
+                       config=f"{name}_tiny")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[name] = cwd / f"runs/{name}_tiny/checkpoints/last.ckpt"
         out[f"{name}_prompts"] = prompts
@@ -254,9 +252,8 @@ def test_online_resume_takes_a_command_line_model_option(name, online_checkpoint
     # was: exit 2, 'Parser key "reward_model": ... Not a valid subclass of ModelSpec'
     ckpt = online_checkpoints[name]
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["max_rollouts"] == 1
-    extra = GRPO_CHECKPOINTS if name == "grpo" else ()
     proc = ppo_fit(tokenizer_dir, online_checkpoints[f"{name}_prompts"], tmp_path, f"--ckpt_path={ckpt}",
-                   "--model.init_args.max_rollouts=2", "--trainer.logger=false", *extra, config=f"{name}_tiny")  # fmt: skip
+                   "--model.init_args.max_rollouts=2", "--trainer.logger=false", config=f"{name}_tiny")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = torch.load(tmp_path / f"runs/{name}_tiny/checkpoints/last.ckpt", weights_only=True)
     assert resumed["online_state"]["rollouts_done"] == 2, "one more rollout, up to the command line's limit"
