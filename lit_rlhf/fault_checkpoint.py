@@ -58,7 +58,7 @@ def step_start_state(pl_module: LightningModule) -> dict[str, Any]:
 
 
 class FaultCheckpoint(Callback):
-    """On an exception in ``fit``, save a resumable checkpoint of the last finished step (module notes).
+    """On an exception in ``fit``, save a resumable checkpoint of the last finished step (see the module notes).
 
     ``lit-rlhf fit`` adds it to every fit; add it to your own ``Trainer`` the same way. The file is
     ``last-fault.ckpt`` in the first ``ModelCheckpoint``'s folder (``ckpt_path="last"`` picks the newest
@@ -113,7 +113,7 @@ class FaultCheckpoint(Callback):
         self._in_step, self._stepped = True, False
         # before the first finished step there is nothing to keep (and a resumed module may not have applied
         # its checkpoint's RNG yet)
-        self._start = step_start_state(pl_module) if self._steps_done and self._hooks else None
+        self._start = step_start_state(pl_module) if self._steps_done and self._single_process(trainer) else None
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -135,7 +135,7 @@ class FaultCheckpoint(Callback):
             return f"a fault in a {trainer.world_size}-process fit is not checkpointed (the other ranks may be inside a collective)"
         if not self._steps_done:
             return "no training step had finished in this process"
-        if self._in_step and self._stepped:
+        if self._in_step and (self._stepped or self._start is None):
             return (
                 f"the fault came after an optimiser step of step {trainer.global_step} (a half-updated model);"
                 " resume from the last regular checkpoint"
@@ -168,13 +168,11 @@ class FaultCheckpoint(Callback):
         """Write the checkpoint of the last step boundary (the current step rolled back when one was running)."""
         epoch_loop = trainer.fit_loop.epoch_loop
         rolled_back = self._in_step and self._start is not None
-        stepped_back = 0
         if rolled_back:
             # the failed batch counts as never fetched (the data module reads ``processed``); the counters say
             # "saved at the end of the last finished batch" (Lightning then counts that batch completed and its
             # logging step taken, and does not run its validation again), also in an epoch's first batch
             progress = epoch_loop.batch_progress
-            stepped_back = 1
             counters = [
                 (tracker, (tracker.completed,) * 3 + (tracker.completed - 1,))
                 for tracker in (progress.total, progress.current)
@@ -193,7 +191,7 @@ class FaultCheckpoint(Callback):
             # fetching the failed batch may have flagged it the epoch's last: the finished one was not
             checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = False
         if rolled_back:
-            checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] -= stepped_back
+            checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
             checkpoint.update(self._start["entries"])
             checkpoint["state_dict"].update(self._start["metrics"])
         trainer.strategy.save_checkpoint(checkpoint, path)
