@@ -394,6 +394,26 @@ def test_an_environment_alone_scores_the_episodes(tokenizer_dir, tmp_path):
     assert row["rollout/score"] == 0.5 and row["rollout/group_all_equal_frac"] == 1.0
 
 
+class LengthReward(Environment):
+    """One turn; reward: the response's length in characters (responses differ, so online DPO has pairs)."""
+
+    def step(self, response):
+        return StepResult(None, reward=float(len(response)), done=True)
+
+
+def test_online_dpo_ranks_its_pairs_by_the_environments_reward(tokenizer_dir, tmp_path):
+    from test_online_dpo import tiny_online_dpo
+
+    module = tiny_online_dpo(tokenizer_dir, reward_fn=None, max_rollouts=2,
+                             environment={"env": "test_environments:LengthReward"})  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for row in rows:  # the episode rewards are the scores the pairs are ranked by
+        assert row["rollout/env_reward"] > 0 and row["rollout/score"] == row["rollout/env_reward"]
+        assert row["dpo/pairs"] > 0 and row["dpo/scores_margin"] > 0
+
+
 def test_ppo_on_multi_turn_episodes_resumes_exactly(tokenizer_dir, tmp_path, prompt_file):
     # GAE over the model's tokens (the observation is a hole) and the environment's reward in the score;
     # 4 rollouts uninterrupted vs 2 + resume to 4: rollouts 3..4 log identical metrics

@@ -81,6 +81,27 @@ def test_state_dict_round_trip(make):
         resumed.load_state_dict({})
 
 
+def test_a_resumed_fixed_coefficient_is_the_configured_one():
+    saved = FixedKLController(0.05).state_dict()
+    resumed = FixedKLController(0.5)  # the resumed run's kl.coef
+    resumed.load_state_dict(saved)
+    assert resumed.value == 0.5
+    with pytest.raises(KeyError, match="value"):
+        resumed.load_state_dict({})
+
+
+def test_a_resumed_adaptive_coefficient_is_at_least_the_configured_floor():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100, floor=0.1)
+    ctl.update(20.0, 50)
+    assert ctl.value == pytest.approx(0.11)
+    raised = AdaptiveKLController(0.5, target=6.0, horizon=100, floor=0.5)
+    raised.load_state_dict(ctl.state_dict())
+    assert raised.value == 0.5  # lifted to the new floor
+    lowered = AdaptiveKLController(0.01, target=6.0, horizon=100, floor=0.01)
+    lowered.load_state_dict(ctl.state_dict())
+    assert lowered.value == pytest.approx(0.11)  # above its floor: the adapted coefficient goes on
+
+
 def test_adaptive_moves_towards_target_over_many_updates():
     ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
     for _ in range(20):

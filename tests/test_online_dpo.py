@@ -224,6 +224,22 @@ def test_a_micro_batch_without_pairs_has_zero_loss_and_gradient(tokenizer_dir):
     assert module.micro_batch_weight(rollout.select(slice(3, 6)), rollout) == 0.0
 
 
+def test_the_micro_batch_weights_are_float32_under_a_bfloat16_default_dtype(tokenizer_dir):
+    # Lightning's bf16-true makes bfloat16 the default dtype inside training_step: 1/3 in bfloat16 is 0.333984
+    module = tiny_online_dpo(
+        tokenizer_dir, generation={"max_new_tokens": 5, "num_samples": 2}, scoring={"forward_batch_size": 6}
+    )
+    rollout, _, _ = constructed_rollout(module, [1.0, 0.0] * 3)
+    module.pair_roles = torch.tensor([1, -1] * 3)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        weights = [module.micro_batch_weight(rollout.select(slice(i, i + 2)), rollout) for i in (0, 2, 4)]
+    finally:
+        torch.set_default_dtype(default)
+    assert all(w.dtype == torch.float32 and w == torch.tensor(1 / 3) for w in weights)
+
+
 def test_online_dpo_raises_the_rule_reward(tokenizer_dir, tmp_path):
     # 4 prompts x K = 4 responses per rollout; the random policy writes 'the' rarely, so most prompts start
     # as ties (no pair) and the pairs grow as the count rises (seeds 0-4 measured with 2 epochs: the last five
@@ -286,3 +302,22 @@ def test_resume_reproduces_the_uninterrupted_run(tokenizer_dir, tmp_path, prompt
     assert full[-1]["dpo/pairs"] > 0  # e_rate is dense: few ties
     assert len({r["dpo/beta"] for r in full}) == 3  # raised after rollouts 2 and 3 (KL 0 after the first): resumed too
     assert_resumed_rows_equal(full, resumed)
+
+
+@pytest.mark.parametrize("kl", [{}, {"target": 0.05, "horizon": 16}], ids=["fixed", "adaptive"])
+def test_a_run_resumed_with_another_beta_uses_it(tokenizer_dir, tmp_path, prompt_file, kl):
+    # a fixed beta is a setting: the resumed run's; an adapted one is state, at least the resumed run's floor
+    from test_ppo import StopAfter
+
+    from lit_rlhf.data import PromptDataModule
+
+    def run(root, beta, callbacks=(), ckpt_path=None):
+        module = tiny_online_dpo(tokenizer_dir, max_rollouts=3, preference={"beta": beta}, kl=kl,
+                                 update={"epochs": 1, "num_minibatches": 1}, reward_fn="ppo_rewards:e_rate")  # fmt: skip
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=4, seed=3)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(module, data, ckpt_path=ckpt_path)
+        return read_metrics(root)
+
+    run(tmp_path / "part", 0.1, callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", 1.0, ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    assert [r["dpo/beta"] for r in resumed] == [1.0]

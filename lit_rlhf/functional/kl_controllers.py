@@ -2,8 +2,10 @@
 
 A controller holds the current coefficient in ``.value``; the PPO module calls
 ``update(current_kl, n_steps)`` once per rollout and stores ``state_dict()`` in its checkpoint so a
-resumed run continues with the same coefficient. Only the coefficient is state: the hyperparameters
-come from the (possibly changed) configuration of the resumed run.
+resumed run continues with the same coefficient. Only an adapted coefficient is state: the hyperparameters
+come from the (possibly changed) configuration of the resumed run, and so does a fixed coefficient (a run resumed
+with another ``kl.coef`` uses it) and an adaptive one's floor (a coefficient saved below a raised floor is lifted
+to it).
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class FixedKLController(KLController):
     def update(self, current_kl: float, n_steps: int) -> None:
         self._check_update(current_kl, n_steps)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks the state's layout and keeps the configured coefficient: a fixed one is a setting, not state."""
+        configured = self.value
+        super().load_state_dict(state_dict)
+        self.value = configured
+
 
 class AdaptiveKLController(KLController):
     """Proportional controller of Ziegler et al. 2019.
@@ -101,6 +109,11 @@ class AdaptiveKLController(KLController):
                 f"(factor {factor} <= 0); use n_steps <= 5 * horizon"
             )
         self.value = max(self.value * factor, self.floor)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved coefficient, at least the configured ``floor``."""
+        super().load_state_dict(state_dict)
+        self.value = max(self.value, self.floor)
 
 
 class PPOPenaltyKLController(KLController):

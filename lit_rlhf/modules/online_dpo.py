@@ -224,7 +224,9 @@ class OnlineDPOModule(OnlineRLModule):
         ids, attention, mask, T = sample.input_ids, sample.attention_mask, sample.loss_mask, sample.responses.ids.shape[1]
         # 2. Score without gradients: old and reference log-probs, entropy, and the sequence scores.
         old_logprobs, ref_logprobs, _, entropy = self.score_rollout(ids, attention, T, responses=sample.responses)
-        scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns)
+        scores, keep = self.score_responses(
+            ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores
+        )  # (B,), (B,)
         kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
         # 3. Rank each prompt's responses by score - kl.coef x KL (by score with coef 0): chosen = the best
@@ -290,8 +292,9 @@ class OnlineDPOModule(OnlineRLModule):
     def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:
         """The micro-batch's share of the minibatch's pairs (the loss is a mean over pairs); a minibatch
         without pairs (its loss is 0) weighs its drift statistics by learned tokens."""
-        in_part = (self.pair_roles[part.rows] == 1).sum()
-        in_minibatch = (self.pair_roles[mb.rows] == 1).sum()
+        # float32 whatever the default dtype (Lightning's bf16-true makes it bfloat16 inside training_step)
+        in_part = (self.pair_roles[part.rows] == 1).sum().float()
+        in_minibatch = (self.pair_roles[mb.rows] == 1).sum().float()
         if in_minibatch == 0:
             return super().micro_batch_weight(part, mb)
         return in_part / in_minibatch
