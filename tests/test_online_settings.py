@@ -240,3 +240,24 @@ def test_the_cli_resumes_a_checkpoint_of_the_flat_layout(tokenizer_dir, prompt_f
     resumed = run_cli(["validate", *args, f"--ckpt_path={path}"])
     assert (resumed.model.update.epochs, resumed.model.kl.loss_coef) == (1, 0.02), "the checkpoint's settings"
     assert resumed.model.advantage.estimator == "grpo" and resumed.trainer.callback_metrics["val/score"] >= 0
+
+
+# -- models that read the actor's token ids -----------------------------------------------------------------
+def test_a_reference_or_critic_with_another_vocabulary_is_refused(tokenizer_dir, tmp_path):
+    from conftest import make_corpus
+    from ppo_helpers import tiny_ppo
+
+    from lit_rlhf.models.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    other = tmp_path / "other_tok"
+    train_bpe_tokenizer(make_corpus(seed=1), vocab_size=300).save_pretrained(other)
+    config = gpt2_config()
+    spec = {"config": config, "tokenizer": str(other), "seed": 1}
+    with pytest.raises(ValueError, match=r"^CriticFreeModule: reference: its tokenizer .*300 tokens.* is not the actor's"):
+        tiny_critic_free(tokenizer_dir, config, reference=spec)
+    with pytest.raises(ValueError, match=r"^PPOModule: critic: its tokenizer .* is not the actor's"):
+        tiny_ppo(tokenizer_dir, config, critic=spec)
+    # the same vocabulary from another folder (as an export saves it, with its pad token) is the actor's
+    load_tokenizer(tokenizer_dir).save_pretrained(tmp_path / "export")
+    same = {"config": config, "tokenizer": str(tmp_path / "export"), "seed": 1}
+    assert tiny_ppo(tokenizer_dir, config, reference=same, critic=same).reference is not None

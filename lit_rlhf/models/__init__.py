@@ -46,6 +46,7 @@ from lit_rlhf.models.shared_prefix import (
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.models.tokenizer import (
     SIMPLE_CHAT_TEMPLATE,
+    check_shared_tokenizer,
     ensure_pad_token,
     load_tokenizer,
     train_bpe_tokenizer,
@@ -76,6 +77,7 @@ __all__ = [
     "last_token_index",
     "next_token_logprobs",
     "layout_fits",
+    "check_shared_tokenizer",
     "load_tokenizer",
     "pack_shared_prefix",
     "refuse_unsupported_shared_prefix",

@@ -56,6 +56,40 @@ def load_tokenizer(
     return ensure_pad_token(tokenizer)
 
 
+def check_shared_tokenizer(
+    own: str | None,
+    role: str,
+    tokenizer: PreTrainedTokenizerBase,
+    source: str,
+    *,
+    owner: str = "",
+    trust_remote_code: bool = False,
+) -> None:
+    """Refuse a model that reads the actor's token ids (reference, critic) whose own tokenizer is another one.
+
+    Such a model is built for ``tokenizer`` (the actor's, loaded from ``source``), so a different vocabulary
+    would be read silently: token ids it has other embeddings for, rows added at random for ids it lacks.
+
+    Args:
+        own: the model's ``tokenizer`` or ``name_or_path`` (None for an inline config without a tokenizer:
+            it takes the actor's). A folder holding no tokenizer passes (the model takes the actor's).
+        role: the model's argument name, for the message; ``owner`` (the module's name) starts it.
+        tokenizer: the actor's tokenizer; ``source`` where it was loaded from.
+    """
+    if own is None or os.path.abspath(os.path.expanduser(own)) == os.path.abspath(os.path.expanduser(source)):
+        return
+    try:
+        other = load_tokenizer(own, trust_remote_code=trust_remote_code)
+    except OSError:
+        return  # a model folder without tokenizer files
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"{owner + ': ' if owner else ''}{role}: its tokenizer ({own!r}, {len(other)} tokens) is not the actor's ({source!r}, "
+            f"{len(tokenizer)} tokens): the {role} reads the actor's token ids, so it must share its vocabulary "
+            f"(give the {role} a model trained with the actor's tokenizer)"
+        )
+
+
 def train_bpe_tokenizer(
     texts: Iterable[str],
     vocab_size: int = 512,

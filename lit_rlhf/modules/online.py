@@ -36,6 +36,7 @@ from lit_rlhf.models import (
     ModelSpec,
     build_causal_lm,
     check_shared_prefix_mode,
+    check_shared_tokenizer,
     disable_dropout,
     frozen_copy,
     load_tokenizer,
@@ -215,13 +216,14 @@ class OnlineRLModule(
         """The tokenizer, actor, reference, reward source and monitor, on the seeded initialisation stream."""
         actor = ModelSpec.coerce(actor, "actor")
         self.actor_lora = actor.lora is not None
-        self.tokenizer = load_tokenizer(actor.tokenizer or actor.name_or_path, padding_side="left")
+        self.tokenizer_source = actor.tokenizer or actor.name_or_path
+        self.tokenizer = load_tokenizer(self.tokenizer_source, padding_side="left")
         self._init_seed, self._init_rng_state = self.rng_seed, None
         with self.seeded_init():  # seeded, so a resumed run rebuilds identical frozen models
             self.actor = build_causal_lm(actor, self.tokenizer)
             disable_dropout(self.actor)
             if reference is not None:
-                self.reference = frozen_copy(build_causal_lm(ModelSpec.coerce(reference, "reference"), self.tokenizer))
+                self.reference = frozen_copy(build_causal_lm(self.shares_tokenizer(reference, "reference"), self.tokenizer))
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
             self.rewards = RewardSource(coerce_reward_model(reward_model), reward_fn, self.tokenizer)
@@ -230,6 +232,16 @@ class OnlineRLModule(
                 if monitor_reward_fn is None
                 else RewardSource(None, monitor_reward_fn, self.tokenizer, "monitor_reward_fn")
             )
+
+    def shares_tokenizer(self, spec: Any, role: str) -> ModelSpec:
+        """``spec`` as a ModelSpec, refused when its own tokenizer is not the actor's (it reads the actor's ids)."""
+        spec = ModelSpec.coerce(spec, role)
+        own = spec.tokenizer or spec.name_or_path
+        check_shared_tokenizer(
+            own, role, self.tokenizer, self.tokenizer_source, owner=type(self).__name__,
+            trust_remote_code=spec.trust_remote_code,
+        )  # fmt: skip
+        return spec
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod

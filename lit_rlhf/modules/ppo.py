@@ -88,7 +88,7 @@ class PPOModule(OnlineRLModule):
             if share_critic_backbone:
                 self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
             else:
-                critic_spec = ModelSpec.coerce(critic or self.rewards.model_spec or actor, "critic")
+                critic_spec = self.shares_tokenizer(critic or self.rewards.model_spec or actor, "critic")
                 self.critic, self.value_head = build_score_model(critic_spec, self.tokenizer), None
                 disable_dropout(self.critic)
         self.beta_ctl = F.PPOPenaltyKLController(self.update.init_beta, self.update.beta_target)
