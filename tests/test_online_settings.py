@@ -261,3 +261,33 @@ def test_a_reference_or_critic_with_another_vocabulary_is_refused(tokenizer_dir,
     load_tokenizer(tokenizer_dir).save_pretrained(tmp_path / "export")
     same = {"config": config, "tokenizer": str(tmp_path / "export"), "seed": 1}
     assert tiny_ppo(tokenizer_dir, config, reference=same, critic=same).reference is not None
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_run_length_schedule_under_max_steps_counts_rollouts(tokenizer_dir, tmp_path, algorithm):
+    # trainer.max_steps counts optimiser steps (update.epochs x num_minibatches per optimiser per rollout: PPO
+    # steps actor and critic); the schedule steps once a rollout, so max_steps=16 is max_rollouts=4 for GRPO
+    # (4 steps a rollout) and 2 for PPO (8): the same learning rates, decayed to 0 at the run's end
+    from functools import partial
+
+    from ppo_helpers import tiny_ppo
+    from test_online_contract import read_metrics
+
+    from lit_rlhf.modules import WarmupCosineLR
+
+    build, prefix, rollouts = (tiny_critic_free, "policy", 4) if algorithm == "grpo" else (tiny_ppo, "ppo", 2)
+    schedule = partial(WarmupCosineLR, min_lr_ratio=0.0)
+
+    def lrs(root, **limits):
+        kwargs = dict(update={"epochs": 2, "num_minibatches": 2}, actor_scheduler=schedule)
+        if "max_rollouts" in limits:
+            kwargs["max_rollouts"] = limits.pop("max_rollouts")
+        module = build(tokenizer_dir, gpt2_config(), **kwargs)
+        fit = trainer(root, **limits)
+        fit.fit(module, prompt_loader(tokenizer_dir, n=32, batch_size=4))
+        assert module.rollouts_done == rollouts
+        return [row[f"{prefix}/lr_actor"] for row in read_metrics(root)]
+
+    by_steps = lrs(tmp_path / "steps", max_steps=16)
+    assert by_steps == lrs(tmp_path / "rollouts", max_rollouts=rollouts)
+    assert by_steps[-1] == 0.0

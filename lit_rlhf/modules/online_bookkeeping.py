@@ -3,6 +3,7 @@ and sample tables, checkpoint state for an exact resume, and the Hugging Face ex
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -100,10 +101,27 @@ class OnlineBookkeeping(LightningModule):
             optimizers.append(optimizer_fn([p for p in model.parameters() if p.requires_grad]))
             if scheduler_fn is not None:
                 schedulers.append(scheduler_fn(optimizers[-1]))
-                resolve_total_steps(schedulers[-1], self.max_rollouts or self.trainer.estimated_stepping_batches)
+                resolve_total_steps(schedulers[-1], self.planned_rollouts(len(models)))
         if len(optimizers) == 1 and not schedulers:
             return optimizers[0]
         return optimizers, schedulers
+
+    def planned_rollouts(self, n_optimizers: int) -> int | float:
+        """The rollouts this fit runs, the length of the run-length schedules (which step once a rollout).
+
+        ``max_rollouts``, else the trainer's limits in rollouts: a rollout is one training batch, so
+        ``max_epochs`` counts passes over the prompts, but ``max_steps`` counts optimiser steps,
+        ``update.epochs x update.num_minibatches`` per optimiser per rollout (a skipped minibatch makes the
+        run one step longer than planned; the schedule then stays at its end value).
+        """
+        if self.max_rollouts is not None:
+            return self.max_rollouts
+        trainer = self.trainer
+        by_epochs = trainer.estimated_stepping_batches  # training batches, capped at max_steps
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return by_epochs
+        per_rollout = self.update.epochs * self.update.num_minibatches * n_optimizers
+        return min(by_epochs, math.ceil(trainer.max_steps / per_rollout))
 
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
         """Per-rollout values of the controllers and learning rates (without prefix)."""
@@ -131,7 +149,7 @@ class OnlineBookkeeping(LightningModule):
     @override
     def on_train_start(self) -> None:
         """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run."""
-        total = self.max_rollouts or self.trainer.estimated_stepping_batches
+        total = self.planned_rollouts(len(self.trainer.optimizers))
         for scheduler in self.lr_schedulers_list():
             resolve_total_steps(scheduler, total)
 

@@ -168,7 +168,8 @@ def resolve_total_steps(scheduler: object, total_steps: int | float) -> None:
     if isinstance(scheduler, WarmupCosineLR) and getattr(scheduler, "total_steps_from_run", False):
         if not math.isfinite(total_steps):
             raise ValueError(
-                "WarmupCosineLR(total_steps=-1) needs a finite run: set trainer.max_steps or max_epochs, "
+                "WarmupCosineLR(total_steps=-1) needs a finite run: set trainer.max_steps or max_epochs (an online "
+                "module: max_rollouts), "
                 "or give the scheduler total_steps explicitly"
             )
         scheduler.total_steps = int(total_steps)
