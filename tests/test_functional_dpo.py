@@ -182,3 +182,12 @@ def test_chosen_nll_hand_computed():
     torch.testing.assert_close(logps.grad.float(), torch.tensor([-1 / 6, -1 / 4]), atol=2e-3, rtol=0)
     with pytest.raises(ValueError, match="chosen_nll"):
         chosen_nll(torch.zeros(2), torch.ones(3))
+
+
+def test_pairwise_reward_loss_refuses_a_margin_that_would_broadcast():
+    chosen, rejected = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.5, 4.0])
+    with pytest.raises(ValueError, match=r"`margin` has shape \(3, 1\) but `chosen_scores` has shape \(3,\)"):
+        pairwise_reward_loss(chosen, rejected, margin=torch.ones(3, 1))
+    per_pair, _ = pairwise_reward_loss(chosen, rejected, margin=torch.ones(3))
+    scalar, _ = pairwise_reward_loss(chosen, rejected, margin=torch.tensor(1.0))  # a 0-d margin is one number
+    assert per_pair == scalar

@@ -130,3 +130,21 @@ def test_sequence_advantages_dispatch_by_hand():
         torch.testing.assert_close(F.sequence_advantages(scores, estimator, 2), torch.tensor(values))
     with pytest.raises(ValueError, match="`estimator` must be one of"):
         F.sequence_advantages(scores, "gae", 2)
+
+
+def test_a_keep_mask_of_another_shape_is_refused_not_broadcast():
+    scores, short = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), torch.tensor([True, False])
+    for call in (
+        lambda: F.grpo_advantages(scores, 2, keep=short),
+        lambda: F.rloo_advantages(scores, 2, keep=short),
+        lambda: F.sequence_advantages(scores, "reinforce_pp", 2, keep=short),
+        lambda: F.fill_dropped_scores(scores, short, 2),
+    ):
+        with pytest.raises(ValueError, match=r"`keep` has shape \(2,\) but `scores` has shape \(6,\)"):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16, torch.float16])
+def test_reinforce_pp_scores_become_float32_advantages(dtype):
+    out = F.sequence_advantages(torch.tensor([1, 2, 3, 4]).to(dtype), "reinforce_pp", 2)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, 2.0, 3.0, 4.0]

@@ -188,7 +188,11 @@ def sequence_advantages(
     if estimator == "reinforce_pp_baseline":
         return grpo_advantages(scores, group_size, scale_by_std=False, keep=keep)  # (B,)
     if estimator == "reinforce_pp":
-        return scores if keep is None else torch.where(keep, scores, 0.0)  # (B,)
+        scores = as_float(scores)  # (B,)
+        if keep is None:
+            return scores
+        check_same_shape("sequence_advantages", scores=scores, keep=keep)
+        return torch.where(keep, scores, 0.0)  # (B,)
     raise ValueError(f"sequence_advantages: `estimator` must be one of {SEQUENCE_ESTIMATORS}, got {estimator!r}")
 
 
@@ -197,6 +201,7 @@ def _kept_group_advantages(
 ) -> torch.Tensor:
     """Group baselines over the kept rows only (``baseline``: ``mean``, ``grpo`` mean and std, ``rloo``
     leave-one-out mean); 0 for dropped rows, groups of fewer than 2 kept rows and all-equal kept scores."""
+    check_same_shape(fn, scores=scores, keep=keep)
     grouped = as_groups(scores, group_size, fn)  # (G, K)
     kept = as_groups(keep, group_size, fn).bool()  # (G, K)
     n = kept.sum(dim=1, keepdim=True)  # (G, 1) kept rows per group
@@ -257,6 +262,7 @@ def fill_dropped_scores(scores: torch.Tensor, keep: torch.Tensor, group_size: in
     Returns:
         (B,) scores, equal to ``scores`` on kept rows.
     """
+    check_same_shape("fill_dropped_scores", scores=scores, keep=keep)
     kept = torch.where(keep, scores, 0.0)  # (B,)
     fallback = kept.sum() / keep.sum().clamp(min=1)  # ()
     group_sums = as_groups(kept, group_size, "fill_dropped_scores").sum(dim=1)  # (G,)

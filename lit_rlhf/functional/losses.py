@@ -353,6 +353,8 @@ def pairwise_reward_loss(
         ignored) and ``margin_mean`` (mean of chosen - rejected), unweighted.
     """
     check_same_shape("pairwise_reward_loss", chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    if torch.is_tensor(margin) and margin.dim() > 0:  # a (B, 1) margin would broadcast to (B, B)
+        check_same_shape("pairwise_reward_loss", chosen_scores=chosen_scores, margin=margin)
     diff = as_float(chosen_scores) - as_float(rejected_scores)  # (B,)
     logits = diff if margin is None else diff - (as_float(margin) if torch.is_tensor(margin) else margin)  # (B,)
     losses = -F.logsigmoid(logits)  # (B,)
