@@ -141,3 +141,12 @@ def test_explained_variance_hand_computed():
 def test_shape_mismatch_is_reported():
     with pytest.raises(ValueError, match="`mask` has shape"):
         masked_mean(X, MASK[:, :2])
+
+
+def test_masked_std_is_the_unbiased_std_and_0_for_one_element():
+    from lit_rlhf.functional import masked_std
+
+    torch.testing.assert_close(masked_std(X, MASK), torch.tensor(7 / 3).sqrt())  # unbiased var 7/3 (above)
+    assert masked_std(X, torch.tensor([[1, 0, 0], [0, 0, 0]])) == 0.0  # one element: no spread seen
+    with pytest.raises(ValueError, match="0 real element"):
+        masked_std(X, torch.zeros_like(MASK))

@@ -291,3 +291,21 @@ def test_a_run_length_schedule_under_max_steps_counts_rollouts(tokenizer_dir, tm
     by_steps = lrs(tmp_path / "steps", max_steps=16)
     assert by_steps == lrs(tmp_path / "rollouts", max_rollouts=rollouts)
     assert by_steps[-1] == 0.0
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "reinforce_pp"])
+def test_a_rollout_of_one_learned_token_trains(tokenizer_dir, tmp_path, algorithm):
+    # one prompt, K = 1, one-token responses: no spread to whiten advantages by (whitened: 0), a std metric of 0
+    from ppo_helpers import tiny_ppo
+    from test_online_contract import read_metrics
+
+    settings = dict(generation={"max_new_tokens": 1, "num_samples": 1}, update={"epochs": 1, "num_minibatches": 1})
+    if algorithm == "ppo":
+        module, prefix = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=2, **settings), "ppo"
+    else:
+        module, prefix = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=2,
+                                          advantage={"estimator": "reinforce_pp"}, **settings), "policy"  # fmt: skip
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=2, batch_size=1))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(r[f"{prefix}/advantages_std"] == 0.0 for r in rows)
+    assert all(r[f"{prefix}/policy_loss"] == 0.0 for r in rows)  # a whitened single advantage is 0

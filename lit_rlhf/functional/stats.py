@@ -26,6 +26,7 @@ __all__ = [
     "masked_moments",
     "masked_row_sum",
     "masked_sum",
+    "masked_std",
     "masked_var",
     "masked_whiten",
     "scatter_back",
@@ -121,6 +122,23 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     if unbiased:
         var = var * (n / (n - 1))
     return var
+
+
+def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased standard deviation of the masked elements of ``x``, for logging: 0 for a single element.
+
+    A metric must not stop a run whose rollout happened to hold one learned token (one prompt, K = 1, a
+    one-token response), where :func:`masked_var` (unbiased) is undefined; no spread was seen, so 0.
+
+    Args:
+        x: any shape, e.g. (B, T).
+        mask: same shape; the loss mask (at least one element).
+
+    Returns:
+        float32 (float64 kept) scalar.
+    """
+    check_same_shape("masked_std", x=x, mask=mask)
+    return masked_var(x, mask, unbiased=int(mask.bool().sum()) > 1).sqrt()
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

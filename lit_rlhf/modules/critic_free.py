@@ -158,7 +158,7 @@ class CriticFreeModule(OnlineRLModule):
         )  # (B, T)
         advantages = F.discounted_returns(rewards, mask, self.advantage.gamma)  # (B, T)
         self.update_metrics.update(
-            {"advantages_mean": F.masked_mean(advantages, mask), "advantages_std": F.masked_var(advantages, mask).sqrt()}
+            {"advantages_mean": F.masked_mean(advantages, mask), "advantages_std": F.masked_std(advantages, mask)}
         )
         if F.ADVANTAGE_ESTIMATORS[estimator].whiten_returns:
             kept = mask if keep is None else mask & keep[:, None]  # (B, T)

@@ -335,9 +335,14 @@ class OnlineRLModule(
         """``masked_whiten`` of this rank's rows with the mean and variance of every data-parallel rank's rows.
 
         One all-reduce of three numbers (count, sum, sum of squares), so a run on N ranks whitens like one
-        process holding the N rollouts; ``strategy.reduce`` is the identity on a single device.
+        process holding the N rollouts; ``strategy.reduce`` is the identity on a single device. With a single
+        learned token on all ranks (one prompt, K = 1, a one-token response) there is no spread to whiten by:
+        the limit of ``(x - mean) / sqrt(var + eps)`` at var 0 is taken, 0 (``shift_mean``) or ``x`` itself.
         """
         moments = self.trainer.strategy.reduce(F.masked_moments(x, mask), reduce_op="sum")
+        if int(moments[0]) < 2:
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            return torch.where(mask.bool(), x, 0.0) if not shift_mean else torch.zeros_like(x)
         return F.whiten_from_moments(x, mask, moments, shift_mean)
 
     def build_kl_controller(self, coef: float, floor: float = 0.0) -> F.KLController:

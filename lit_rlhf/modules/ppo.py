@@ -157,7 +157,7 @@ class PPOModule(OnlineRLModule):
             {
                 "explained_variance": F.explained_variance(values, returns, mask),
                 "advantages_mean": F.masked_mean(advantages, mask),
-                "advantages_std": F.masked_var(advantages, mask).sqrt(),
+                "advantages_std": F.masked_std(advantages, mask),
                 "returns_mean": F.masked_mean(returns, mask),
                 "values_mean": F.masked_mean(values, mask),
             }
