@@ -195,6 +195,34 @@ def test_max_turns_and_the_token_budget_end_episodes_and_are_counted(tokenizer_d
     assert out.metrics()["episode_length_limit"] == 1
 
 
+def test_a_turn_cut_by_the_per_turn_limit_is_answered_even_when_it_fills_the_budget(tokenizer_dir):
+    # 6 tokens a turn (max_new_tokens) and no EOS: a last turn that fills the budget exactly was cut by the
+    # per-turn limit, as an earlier turn may be, so the environment scores it (a verifier's -1 is not lost)
+    tok = load_tokenizer(tokenizer_dir)
+    good = ids_of(tok, " good")[0]
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [good] * 10)
+    obs = len(ids_of(tok, " and"))
+
+    class Verifier(Environment):
+        turn = 0
+
+        def step(self, response):
+            self.turn += 1
+            return StepResult(" and") if self.turn < self.turns else StepResult(None, reward=-1.0, done=True)
+
+    cases = [(1, None, 1), (2, 6 + obs + 6, 2)]  # (max_turns, max_total_tokens, turns); one turn: the default budget 6
+    for max_turns, budget, turns in cases:
+        Verifier.turns = turns
+        settings = EnvironmentSettings(env="x:y", max_turns=max_turns, max_total_tokens=budget)
+        out, *_ = episodes(tok, Verifier, engine, ["the movie", "the food"], settings)
+        assert out.rewards.tolist() == [-1.0, -1.0] and out.turns.tolist() == [turns, turns]
+        assert out.ended.tolist() == [ENDED.index("done")] * 2 and out.responses.truncated.tolist() == [True, True]
+    # a budget tighter than the per-turn limit cuts the turn short: that one is not answered
+    Verifier.turns = 1
+    out, *_ = episodes(tok, Verifier, engine, ["the movie"], EnvironmentSettings(env="x:y", max_turns=1, max_total_tokens=4))
+    assert out.rewards.tolist() == [0.0] and out.ended.tolist() == [ENDED.index("length")]
+
+
 def test_an_environment_breaking_the_interface_is_named(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     engine = ScriptedEngine(tok, lambda call, row, ctx: [ids_of(tok, " good")[0]])

@@ -175,7 +175,8 @@ def run_episodes(
         still = []
         for row, i in enumerate(active):
             last = turn == settings.max_turns - 1  # an observation after it is not appended
-            if _play_turn(state[i], envs[i], out, row, budget, tokenizer, f"episode {i}, turn {turn + 1}", last):
+            where = f"episode {i}, turn {turn + 1}"
+            if _play_turn(state[i], envs[i], out, row, budget, generation.max_new_tokens, tokenizer, where, last):
                 still.append(i)
         active = still
     for env in envs:  # an environment need not subclass Environment: reset and close are optional
@@ -207,21 +208,34 @@ class _Episode:
 
 
 def _play_turn(
-    episode: _Episode, env: Environment, out: Responses, row: int, budget: int, tokenizer, where: str, last: bool
+    episode: _Episode,
+    env: Environment,
+    out: Responses,
+    row: int,
+    budget: int,
+    turn_limit: int,
+    tokenizer,
+    where: str,
+    last: bool,
 ) -> bool:
     """Append row ``row`` of a turn's ``out`` to ``episode`` and let ``env`` answer; whether it goes on
-    (never after the ``last`` turn: the episode then ends at ``max_turns`` unless the environment ended it)."""
+    (never after the ``last`` turn: the episode then ends at ``max_turns`` unless the environment ended it).
+
+    A turn cut by the per-turn limit ``turn_limit`` (``generation.max_new_tokens``) is answered like any
+    other, also when it fills the budget exactly (the default budget, ``max_turns x max_new_tokens``, is
+    filled so by a last turn of full length); only a turn cut short by the budget is not."""
     keep = out.mask[row].bool()
-    n = min(int(keep.sum()), budget - episode.length)  # the turn, cut at the episode's token budget
+    room = budget - episode.length
+    n = min(int(keep.sum()), room)  # the turn, cut at the episode's token budget
     ids = out.ids[row][keep][:n]
     logprobs = None if out.logprobs is None else out.logprobs[row][keep][:n]
     kept = None if out.log_kept_mass is None else out.log_kept_mass[row][keep][:n]
     episode.append(ids, True, logprobs, kept)
     episode.turns += 1
     episode.last_turn_truncated = bool(out.truncated[row])
-    # cut mid-turn by the token budget (the turn had more, or stopped at the budget without a stop token):
-    # the environment never sees a partial turn
-    if n < int(keep.sum()) or (episode.last_turn_truncated and episode.length >= budget):
+    # cut mid-turn by the token budget (the turn had more, or stopped at a budget tighter than the per-turn
+    # limit without a stop token): the environment never sees a partial turn
+    if n < int(keep.sum()) or (episode.last_turn_truncated and n >= room and room < turn_limit):
         episode.ended, episode.last_turn_truncated = ENDED.index("length"), True
         return False
     try:
