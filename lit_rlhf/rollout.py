@@ -8,6 +8,7 @@ Shapes: B rollout rows, P prompt length (left-padded), T response length (right-
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
@@ -104,6 +105,13 @@ class GenerationSettings(Settings):
     record_entropy: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k", "num_samples"):  # 4.0 from a computed value would fail late
+            value = getattr(self, name)
+            self.require(name, isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            self.require(name, isinstance(value, numbers.Real) and not isinstance(value, bool), "a number")
+        self.require_finite("temperature")  # NaN passes every comparison below; inf samples uniformly
         if self.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:

@@ -46,6 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
         (S.SampleSettings, {"every": -1}, "samples.every must be >= 0"),
         (S.EvaluationSettings, {"generation": {"beams": 2}}, "evaluation.generation: unknown GenerationSettings field"),
         (S.EvaluationSettings, {"generation": {"max_new_tokens": 0}}, "generation.max_new_tokens must be >= 1"),
+        (S.ScoringSettings, {"missing_eos_penalty": -1.0}, "scoring.missing_eos_penalty must be >= 0 or None"),
+        (GenerationSettings, {"temperature": float("nan")}, "generation.temperature must be a finite number"),
+        (GenerationSettings, {"temperature": float("inf")}, "generation.temperature must be a finite number"),
+        (GenerationSettings, {"max_new_tokens": 4.0}, "generation.max_new_tokens must be an integer, got 4.0"),
+        (GenerationSettings, {"num_samples": 2.5}, "generation.num_samples must be an integer"),
+        (GenerationSettings, {"top_k": True}, "generation.top_k must be an integer"),
+        (GenerationSettings, {"top_p": "0.9"}, "generation.top_p must be a number"),
     ],
 )
 def test_each_group_checks_itself_naming_the_key(cls, values, message):

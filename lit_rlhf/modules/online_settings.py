@@ -255,6 +255,8 @@ class ScoringSettings(Settings):
         self.require_finite("score_clip", "missing_eos_penalty")
         self.require("forward_batch_size", self.forward_batch_size > 0, "> 0")
         self.require("score_clip", _positive_or_none(self.score_clip), "> 0 or None")
+        ok = self.missing_eos_penalty is None or self.missing_eos_penalty >= 0  # a negative one rewards truncation
+        self.require("missing_eos_penalty", ok, ">= 0 or None")
         self.require_choice("shared_prefix", ("auto", "on", "off"))
         self.require_choice("on_nonfinite", ("raise", "drop"))
         self.require_choice("old_logprobs", ("auto", "sampler", "forward"))
