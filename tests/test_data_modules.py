@@ -301,6 +301,21 @@ def test_all_rows_dropped_is_an_error(tokenizer_dir, tmp_path):
         ).setup()
 
 
+@pytest.mark.parametrize(
+    ("cls", "row", "example"),
+    [
+        (PromptDataModule, {"prompt": "the food"}, "prompts_test.jsonl"),
+        (SFTDataModule, {"prompt": "the food", "completion": " was good"}, "sft_test.jsonl"),
+        (PreferenceDataModule, {"prompt": "the food", "chosen": " good", "rejected": " bad"}, "prefs_test.jsonl"),
+    ],
+)
+def test_testing_without_a_test_split_names_test_path_with_a_file_of_its_rows(cls, row, example, tokenizer_dir, tmp_path):
+    data = make(cls, tokenizer_dir, write_rows([row] * 4, tmp_path, "jsonl"), tmp_path)
+    data.setup("test")
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: testing needs held-out rows: set `test_path`.*{example}"):
+        data.test_dataloader()
+
+
 # ------------------------------------------------------------------------------------------- bad input
 GOOD = {"prompt": "the food", "chosen": " good", "rejected": " bad"}
 BAD_ROWS = [

@@ -104,6 +104,7 @@ class RLHFDataModule(LightningDataModule):
     slots: ClassVar[tuple[str, ...]]
     collator_class: ClassVar[type]
     parse: ClassVar[RowParser]
+    example_test_file: ClassVar[str] = "data/tiny/prefs_test.jsonl"  # of this kind of rows, for messages
 
     def detect_format(self, columns: list[str], source: str) -> str:
         raise NotImplementedError
@@ -264,7 +265,7 @@ class RLHFDataModule(LightningDataModule):
         if self.test_dataset is None:
             raise ValueError(
                 f"{type(self).__name__}: testing needs held-out rows: set `test_path` (a source like"
-                " `train_path`, e.g. --data.init_args.test_path=data/tiny/prefs_test.jsonl)"
+                f" `train_path`, e.g. --data.init_args.test_path={self.example_test_file})"
             )
         hp = self.hparams
         return self._loader(self.test_dataset, hp.val_batch_size or hp.batch_size, None, False)

@@ -22,6 +22,7 @@ class PromptDataModule(RLHFDataModule):
     :mod:`lit_rlhf.data.sampler`).
     """
 
+    example_test_file = "data/tiny/prompts_test.jsonl"
     slots = ()
     collator_class = PromptCollator
     parse = staticmethod(parse_prompt)

@@ -20,6 +20,7 @@ class SFTDataModule(RLHFDataModule):
     ``labels`` (-100 on prompt and padding), ``response_mask``, all (B, L).
     """
 
+    example_test_file = "data/tiny/sft_test.jsonl"
     slots = ("completion",)
     collator_class = SFTCollator
     parse = staticmethod(parse_sft)
