@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,7 +101,18 @@ def reward_scores(
             raise TypeError(
                 f"{name} returned a {type(value).__name__} at position {i}: {value!r:.200}; expected a number"
             )
-    return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=device)
+    limit = torch.finfo(torch.float32).max
+    values = []
+    for i, value in enumerate(scores):  # finite, but inf as float32: not the non-finite score it would read as
+        try:
+            number = float(value)
+            beyond = math.isfinite(number) and abs(number) > limit
+        except OverflowError:  # an int past float64's range
+            number, beyond = math.inf, True
+        if beyond:
+            raise ValueError(f"{name} returned {value!r:.40} at position {i}, beyond float32's range (+-{limit:.3g})")
+        values.append(number)
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ def test_import_returns_the_function(reward_module):
         (None, TypeError, "rf must return a list of 2 numbers, got NoneType"),
         ([1.0], ValueError, "rf returned 1 scores for 2 responses"),
         ([[1.0], [2.0]], TypeError, "rf returned a list at position 0"),
+        ([1.0, 1e39], ValueError, "rf returned 1e+39 at position 1, beyond float32's range"),  # not "non-finite"
+        ([-(10**400), 1.0], ValueError, "at position 0, beyond float32's range"),
     ],
 )
 def test_bad_reward_outputs_are_named(scores, kind, problem):
@@ -77,7 +79,7 @@ def test_bad_reward_outputs_are_named(scores, kind, problem):
 
 
 def test_numbers_of_any_kind_become_float32_and_nonfinite_passes():
-    out = reward_scores("rf", [1, np.float64(2.5), float("nan")], 3)
-    assert out.dtype == torch.float32 and out[:2].tolist() == [1.0, 2.5] and math.isnan(out[2])
+    out = reward_scores("rf", [1, np.float64(2.5), float("nan"), -math.inf], 4)
+    assert out.dtype == torch.float32 and out[:2].tolist() == [1.0, 2.5] and math.isnan(out[2]) and out[3] == -math.inf
     assert reward_scores("rf", np.array([1.0, 2.0]), 2).tolist() == [1.0, 2.0]
     assert reward_scores("rf", torch.tensor([3.0]), 1).tolist() == [3.0]
