@@ -29,6 +29,7 @@ named with that config.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -42,7 +43,14 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
-from lit_rlhf.cli_errors import DEBUG_ENV, fail, fail_on_project_error, in_setup_hook, moved_keys_message
+from lit_rlhf.cli_errors import (
+    DEBUG_ENV,
+    fail,
+    fail_on_project_error,
+    in_setup_hook,
+    moved_keys_message,
+    nested_field_message,
+)
 from lit_rlhf.cli_resume import FIXED_ON_RESUME, CheckpointInfo, _import_class, find_last_checkpoint
 from lit_rlhf.fault_checkpoint import FaultCheckpoint
 from lit_rlhf.process_groups import release_process_groups
@@ -115,6 +123,30 @@ def split_model_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return others, flags
 
 
+def null_fields_as_json(args: list[str]) -> list[str]:
+    """``--model.init_args.<group>.<field> null`` as ``--model.init_args.<group> '{"<field>": null}'``.
+
+    jsonargparse hands a nested field of a subclass's argument its value as the text ``'None'`` (a float field
+    such as ``kl.target`` then refuses it); the JSON form of the group sets that field to None and keeps the
+    group's others.
+    """
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        flag, value, step = (arg.split("=", 1) + [None])[:2] + [1] if "=" in arg else [arg, None, 2]
+        if value is None and i + 1 < len(args):
+            value = args[i + 1]
+        prefix = next((p for p in ("--model.init_args.", "--model.") if flag.startswith(p)), None)
+        path = flag[len(prefix) :].split(".") if prefix else []
+        if len(path) >= 2 and value == "null" and path[0] != "init_args":
+            out += [prefix + ".".join(path[:-1]), json.dumps({path[-1]: None})]
+            i += step
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def model_flags(args: list[str]) -> list[str]:
     """The ``--model...`` options of a command line, each with its value, in their order."""
     return split_model_flags(args)[1]
@@ -124,7 +156,7 @@ class LitRLHFArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors about moved arguments say where they went."""
 
     def error(self, message: str, ex: Exception | None = None):
-        return super().error(moved_keys_message(message) or message, ex)
+        return super().error(moved_keys_message(message) or nested_field_message(message) or message, ex)
 
 
 class LitRLHFCLI(LightningCLI):
@@ -155,7 +187,12 @@ class LitRLHFCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         self._checkpoint: CheckpointInfo | None = None
-        super().parse_arguments(parser, args)
+        rewritten = null_fields_as_json(self._command_line)
+        if isinstance(args, dict) or rewritten == self._command_line:
+            return super().parse_arguments(parser, args)
+        with warnings.catch_warnings():  # the rewritten sys.argv is given as args: not the mistake it warns of
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            super().parse_arguments(parser, rewritten)
 
     def _parse_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` and its module class, load its model hyper-parameters, ``--model`` options on top.

@@ -131,6 +131,8 @@ def moved_keys_message(message: str) -> str | None:
     """For a parse error about keys of the earlier flat layout of the online modules, one message that
     names each key's new place (None when the error is about something else)."""
     patterns = (*_UNKNOWN_KEY_PATTERNS, r"'(\w+)' is now")  # (the latter: a nested parser's rewritten error)
+    if not re.search(r"is not accepted|is not expected|unrecognized arguments|' is now", message):
+        return None  # e.g. a group field's value of the wrong type: its NestedArg names a key that exists
     keys = list(dict.fromkeys(k for pattern in patterns for k in re.findall(pattern, message)))
     keys = [k.removeprefix("model.init_args.").removeprefix("model.") for k in keys]
     module = re.search(r"class_path '[\w.]*\.(\w+)'", message)
@@ -148,3 +150,39 @@ def moved_keys_message(message: str) -> str | None:
         f"{MOVED_MARKER} " + "; ".join(hints)
         + " (in YAML e.g. `update: {epochs: 2}`, on the command line `--model.init_args.update.epochs 2`)"
     )
+
+
+_NOISE = ("Does not validate", "Subtypes:", "Errors:", "Problem with given class_path", "Given value type:",
+          "Expected a <class 'NoneType'>")  # fmt: skip
+
+
+def nested_field_message(message: str) -> str | None:
+    """For jsonargparse's nested error about one field of a module's or data module's argument (a settings
+    group's ``generation.max_new_tokens abc``), one line: ``model.init_args.<group>.<field>: <problem>``.
+    None when the error names no field below ``model`` / ``data``."""
+    lines = message.splitlines()
+    found = [(i, m.group(1)) for i, line in enumerate(lines) if (m := re.search(r'Parser key "([\w.]+)"', line))]
+    if len(found) < 2 or found[0][1] not in ("model", "data"):
+        return None
+    last, _ = found[-1]
+    depth = len(lines[last]) - len(lines[last].lstrip())
+    block = []
+    for line in lines[last + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= depth:
+            break
+        block.append(line.strip(" -"))
+    given = next((line.split(":", 1)[1].strip() for line in block if line.startswith("Given value:")), None)
+    problems = [line for line in block if line and not line.startswith(_NOISE) and not line.startswith("Given value:")]
+    expected = [m.group(1) for line in problems if (m := re.match(r"Expected a <class '([\w.]+)'>", line))]
+    if expected:
+        got = re.search(r"Got value: (.*)$", " ".join(problems))
+        got = got.group(1) if got else given
+        allowed = " or ".join([*expected, *(["None"] if "Expected a <class 'NoneType'>" in block else [])])
+        problem = f"expected {allowed}, got {got!r}"
+    elif problems:
+        problem = problems[0]
+    else:
+        return None
+    path = ".".join(key for _, key in found)
+    path = path.replace("model.", "model.init_args.", 1).replace("data.", "data.init_args.", 1)
+    return f"{path}: {problem}"

@@ -153,3 +153,41 @@ def test_the_config_writing_a_missing_folder_is_found_in_the_working_directory_a
     assert hint == " (out/mine is written by the HFExport of configs/mine.yaml: run `lit-rlhf fit --config configs/mine.yaml` first)"
     (tmp_path / "out/mine").mkdir(parents=True)
     assert missing_folder_hints("from 'out/mine'") == "", "an existing folder needs no hint"
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        ("update.epochs", "abc", "error: model.init_args.update.epochs: expected int, got 'abc'"),
+        ("generation.stop_strings", ".", "error: model.init_args.generation.stop_strings: expected list, got '.'"),
+        ("scoring.forward_batch_size", "1.5", "error: model.init_args.scoring.forward_batch_size: expected int, got '1.5'"),
+    ],
+)
+def test_a_bad_value_of_a_settings_field_names_the_field_and_keeps_nothing_running(workdir, option, value, expected):
+    # not accepted as a group of that one field (every other field of the group silently at its default)
+    proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/ppo_tiny.yaml"), f"--model.init_args.{option}", value,
+                    "--print_config")  # fmt: skip
+    assert error_line(proc, max_lines=None) == expected
+
+
+def test_one_field_of_a_group_on_the_command_line_keeps_the_others_and_null_sets_optional_fields(workdir):
+    args = ("fit", "--config", str(ROOT / "configs/ppo_tiny.yaml"), "--print_config")
+    proc = lit_rlhf(workdir, *args, "--model.init_args.generation.top_k", "5", "--model.init_args.kl.target", "null",
+                    "--model.init_args.update.clip_coef_high=null")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = yaml.safe_load(proc.stdout)["model"]["init_args"]
+    assert model["generation"]["top_k"] == 5 and model["generation"]["max_new_tokens"] == 16  # the config's
+    assert model["kl"] == {**model["kl"], "coef": 0.05, "target": None}  # the adaptive controller off
+    assert model["update"]["clip_coef_high"] is None and model["update"]["epochs"] == 4
+
+
+def test_null_fields_become_the_json_form_of_their_group():
+    from lit_rlhf.cli import null_fields_as_json
+
+    args = ["fit", "--model.init_args.kl.target", "null", "--model.kl.target=null", "--model.init_args.max_rollouts",
+            "null", "--trainer.max_steps", "null", "--model.init_args.update.is_correction.cap", "null"]  # fmt: skip
+    assert null_fields_as_json(args) == [
+        "fit", "--model.init_args.kl", '{"target": null}', "--model.kl", '{"target": null}',
+        "--model.init_args.max_rollouts", "null", "--trainer.max_steps", "null",
+        "--model.init_args.update.is_correction", '{"cap": null}',
+    ]  # fmt: skip

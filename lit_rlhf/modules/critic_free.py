@@ -65,9 +65,9 @@ class CriticFreeModule(OnlineRLModule):
     def __init__(
         self,
         actor: ModelSpec | dict | str,
-        advantage: AdvantageSettings | dict | None = None,
-        generation: GenerationSettings | dict | None = None,
-        update: CriticFreeUpdate | dict | None = None,
+        advantage: AdvantageSettings | None = None,
+        generation: GenerationSettings | None = None,
+        update: CriticFreeUpdate | None = None,
         actor_optimizer: OptimizerCallable = PolicyAdamW,
         actor_scheduler: LRSchedulerCallable | None = None,
         **kwargs: Any,

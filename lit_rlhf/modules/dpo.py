@@ -106,7 +106,7 @@ class DPOModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
         sample_max_new_tokens: int = 48,
-        bucketing: Bucketing | dict | None = None,
+        bucketing: Bucketing | None = None,
     ) -> None:
         super().__init__()
         bucketing = self.set_bucketing(bucketing)

@@ -7,6 +7,7 @@ into groups; :func:`moved_hint` says where one went, for error messages (the mod
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from lit_rlhf.settings import Settings
@@ -94,7 +95,23 @@ def migrate_checkpoint_hparams(cls: type | str, hparams: dict[str, Any], source:
     neither a current argument nor a known flat one is left for the loader to refuse.
     """
     name = _module_name(cls)
-    if name not in MOVED or not any(k in MOVED[name] for k in hparams):
-        return hparams
-    hparams = {k: v for k, v in hparams.items() if k not in ("metric_prefix", "update_metrics")}
-    return migrate_flat_kwargs(name, hparams)
+    if name in MOVED and any(k in MOVED[name] for k in hparams):
+        hparams = {k: v for k, v in hparams.items() if k not in ("metric_prefix", "update_metrics")}
+        hparams = migrate_flat_kwargs(name, hparams)
+    return _migrate_group_fields(cls, hparams)
+
+
+def _migrate_group_fields(cls: type | str, hparams: dict[str, Any]) -> dict[str, Any]:
+    """Each settings group given as a dict with its fields of earlier versions rewritten (``Settings.migrate``,
+    e.g. ``generation.transposed_head``), so that a parser that checks the group's fields takes it."""
+    if isinstance(cls, str):
+        module, _, attr = cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError):
+            return hparams
+    groups = getattr(cls, "settings_groups", None) or {}
+    changed = {
+        key: group.migrate(dict(hparams[key])) for key, group in groups.items() if isinstance(hparams.get(key), dict)
+    }
+    return {**hparams, **changed} if any(changed[k] != hparams[k] for k in changed) else hparams

@@ -101,7 +101,7 @@ class UpdateSettings(Settings):
     ent_coef: float = 0.0
     max_grad_norm: float | None = 1.0
     ratio_threshold: float | None = 10.0
-    is_correction: ISCorrectionSettings | dict | None = None
+    is_correction: ISCorrectionSettings | None = None
     embedding_grads: Literal["auto", "dense"] = "auto"
 
     def __post_init__(self) -> None:
@@ -243,7 +243,7 @@ class ScoringSettings(Settings):
     group: ClassVar[str] = "scoring"
 
     forward_batch_size: int = 16
-    bucketing: Bucketing | dict | None = None
+    bucketing: Bucketing | None = None
     shared_prefix: Literal["auto", "on", "off"] = "auto"
     score_clip: float | None = None
     missing_eos_penalty: float | None = None

@@ -86,7 +86,7 @@ class RewardEnsembleModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
-        bucketing: Bucketing | dict | None = None,
+        bucketing: Bucketing | None = None,
     ) -> None:
         super().__init__()
         spec = ModelSpec.coerce(model, "model")

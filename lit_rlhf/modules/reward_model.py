@@ -97,7 +97,7 @@ class RewardModelModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
-        bucketing: Bucketing | dict | None = None,
+        bucketing: Bucketing | None = None,
         shared_prefix: Literal["auto", "on", "off"] = "auto",
     ) -> None:
         super().__init__()

@@ -40,7 +40,7 @@ class SFTModule(SingleModelModule):
         scheduler: LRSchedulerCallable | None = WarmupCosineLR,
         num_samples: int = 4,
         sample_max_new_tokens: int = 48,
-        bucketing: Bucketing | dict | None = None,
+        bucketing: Bucketing | None = None,
     ) -> None:
         super().__init__()
         if num_samples < 0:
