@@ -83,7 +83,9 @@ def test_inline_config_takes_sizes_and_special_ids_from_the_tokenizer(tiny_confi
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
 
 
-def test_pad_policy_adds_a_dedicated_pad_and_resizes_embeddings(tiny_config, tmp_path):
+@pytest.mark.parametrize("pad", [None, "<|endoftext|>"], ids=["no_pad", "pad_is_eos"])
+def test_pad_policy_adds_a_dedicated_pad_and_resizes_embeddings(tiny_config, tmp_path, pad):
+    # pad = EOS (Qwen2.5's base tokenizers) would hide every real EOS from masks and block EOS when sampling
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
@@ -92,8 +94,8 @@ def test_pad_policy_adds_a_dedicated_pad_and_resizes_embeddings(tiny_config, tmp
         vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     bpe.train_from_iterator(make_corpus(), trainer)
-    raw = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    assert raw.pad_token is None
+    raw = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token=pad)
+    assert raw.pad_token == pad
     raw.save_pretrained(tmp_path / "tok")
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     assert tokenizer.pad_token == "<|pad|>" and tokenizer.pad_token_id != tokenizer.eos_token_id

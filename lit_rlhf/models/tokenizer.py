@@ -1,7 +1,7 @@
 """Tokenizers: loading with the project's pad-token policy, and training a small byte-level BPE.
 
-Pad-token policy: a tokenizer without a pad token gets a *dedicated* one (``<|pad|>``) instead of
-reusing EOS. With pad = EOS an attention mask built from ``input_ids != pad_token_id`` hides every real
+Pad-token policy: a tokenizer without a pad token, or whose pad token is its EOS, gets a *dedicated* one
+(``<|pad|>``) instead of reusing EOS. With pad = EOS an attention mask built from ``input_ids != pad_token_id`` hides every real
 EOS, so reward models would score the wrong token and responses would never be seen to end. The model
 builders in :mod:`lit_rlhf.models.loading` resize the embeddings to match.
 """
@@ -24,8 +24,9 @@ SIMPLE_CHAT_TEMPLATE = (
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """Give ``tokenizer`` a dedicated pad token if it has none (never EOS; see module docstring)."""
-    if tokenizer.pad_token is None:
+    """Give ``tokenizer`` a dedicated pad token if it has none, or if its pad token is its EOS (as many
+    tokenizers ship, Qwen2.5's base models among them): never EOS, see the module docstring."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return tokenizer
 
