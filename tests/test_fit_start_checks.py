@@ -92,3 +92,33 @@ def test_missing_nested_folders_and_remote_paths_pass(tmp_path):
     check_output_folder(tmp_path / "a" / "b" / "c", "x")
     check_output_folder("s3://bucket/prefix", "x")
     assert not (tmp_path / "a").exists(), "nothing is created"
+
+
+# -- the data's tokenizer is the model's --------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["sft", "grpo"])
+def test_a_data_module_with_another_tokenizer_is_refused_before_the_first_step(tokenizer_dir, tmp_path, module):
+    import json
+
+    from conftest import gpt2_config, make_corpus
+    from ppo_helpers import tiny_critic_free
+
+    from lit_rlhf.data import PromptDataModule, SFTDataModule
+    from lit_rlhf.models.tokenizer import train_bpe_tokenizer
+    from lit_rlhf.modules import SFTModule
+
+    other = tmp_path / "other_tok"
+    train_bpe_tokenizer(make_corpus(seed=1), vocab_size=300).save_pretrained(other)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "the food", "completion": " was good"}) + "\n" for _ in range(8)))
+    if module == "sft":
+        model = SFTModule(model={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0})
+        data = SFTDataModule(str(other), str(rows), batch_size=4)
+    else:
+        model = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=1)
+        data = PromptDataModule(str(other), str(rows), batch_size=4)
+    counter = CountSteps()
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[counter])  # fmt: skip
+    with pytest.raises(ValueError, match=r"the data module's tokenizer .*other_tok.* is not the model's .*another vocabulary"):
+        trainer.fit(model, data)
+    assert counter.steps == 0

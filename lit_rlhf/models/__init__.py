@@ -49,6 +49,7 @@ from lit_rlhf.models.tokenizer import (
     check_shared_tokenizer,
     ensure_pad_token,
     load_tokenizer,
+    tokenizer_difference,
     train_bpe_tokenizer,
 )
 
@@ -97,5 +98,6 @@ __all__ = [
     "set_scored_last_layer",
     "shared_prefix_layout",
     "token_values",
+    "tokenizer_difference",
     "train_bpe_tokenizer",
 ]

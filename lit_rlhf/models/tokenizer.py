@@ -57,6 +57,19 @@ def load_tokenizer(
     return ensure_pad_token(tokenizer)
 
 
+def tokenizer_difference(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> str | None:
+    """What makes token ids of ``a`` mean something else under ``b`` (None when they mean the same): the
+    vocabulary, or which ids are the EOS and pad tokens."""
+    if a is b:
+        return None
+    if a.get_vocab() != b.get_vocab():
+        return f"another vocabulary ({len(a)} against {len(b)} tokens)"
+    for role in ("eos_token_id", "pad_token_id"):
+        if getattr(a, role) != getattr(b, role):
+            return f"another {role.removesuffix('_id').replace('_', ' ')} ({getattr(a, role)} against {getattr(b, role)})"
+    return None
+
+
 def check_shared_tokenizer(
     own: str | None,
     role: str,
@@ -83,7 +96,7 @@ def check_shared_tokenizer(
         other = load_tokenizer(own, trust_remote_code=trust_remote_code)
     except OSError:
         return  # a model folder without tokenizer files
-    if other.get_vocab() != tokenizer.get_vocab():
+    if tokenizer_difference(other, tokenizer) is not None:
         raise ValueError(
             f"{owner + ': ' if owner else ''}{role}: its tokenizer ({own!r}, {len(other)} tokens) is not the actor's ({source!r}, "
             f"{len(tokenizer)} tokens): the {role} reads the actor's token ids, so it must share its vocabulary "

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lit_rlhf.models import tokenizer_difference
 from lit_rlhf.modules.optim import resolve_total_steps
 
 
@@ -28,6 +29,23 @@ def configure_optimizer_and_scheduler(
     sched = scheduler(opt)
     resolve_total_steps(sched, total_steps)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def check_data_tokenizer(module: LightningModule, source: str | None) -> None:
+    """Refuse a data module whose tokenizer is not the model's (``module.tokenizer``, loaded from ``source``):
+    the model would read its token ids under another vocabulary (an index error at best, silent training at
+    worst). Called from the modules' ``setup``; data given as plain DataLoaders is not seen."""
+    data = getattr(module.trainer, "datamodule", None)
+    theirs, mine = getattr(data, "tokenizer", None), getattr(module, "tokenizer", None)
+    if theirs is None or mine is None:
+        return
+    difference = tokenizer_difference(theirs, mine)
+    if difference is not None:
+        where = getattr(getattr(data, "hparams", None), "tokenizer", None) or type(data).__name__
+        raise ValueError(
+            f"{type(module).__name__}: the data module's tokenizer ({where!r}) is not the model's ({source!r}): "
+            f"{difference}; give the data module the model's tokenizer"
+        )
 
 
 def trainable_state_dict_keys(model: torch.nn.Module, prefix: str) -> set[str]:

@@ -42,7 +42,7 @@ from lit_rlhf.models import (
     load_tokenizer,
     refuse_unsupported_shared_prefix,
 )
-from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.base import check_data_tokenizer, internal_base
 from lit_rlhf.modules.distributed import shard_models
 from lit_rlhf.modules.metrics import MetricGroup
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
@@ -362,6 +362,10 @@ class OnlineRLModule(
         if schedulers is None:
             return []
         return schedulers if isinstance(schedulers, list) else [schedulers]
+
+    @override
+    def setup(self, stage: str) -> None:
+        check_data_tokenizer(self, self.tokenizer_source)
 
     # -- sharding and the engine's lifecycle ------------------------------------------------------------
     @override

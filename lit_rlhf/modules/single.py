@@ -20,6 +20,7 @@ from lit_rlhf.batching import Bucketing, scatter_rows, sequence_micro_batches
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
 from lit_rlhf.modules.base import (
+    check_data_tokenizer,
     configure_optimizer_and_scheduler,
     drop_frozen_weights,
     internal_base,
@@ -54,11 +55,16 @@ class SingleModelModule(LightningModule):
         spec = ModelSpec.coerce(spec, "model")
         self.spec = spec
         plain_hparams(self, model=dataclasses.asdict(spec))  # hparams.yaml readable by Lightning
-        self.tokenizer = load_tokenizer(spec.tokenizer or spec.name_or_path)
+        self.tokenizer_source = spec.tokenizer or spec.name_or_path
+        self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.model = build(spec, self.tokenizer)
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
         self.step_guard = StepGuard()
+
+    @override
+    def setup(self, stage: str) -> None:
+        check_data_tokenizer(self, self.tokenizer_source)
 
     def set_bucketing(self, bucketing: Bucketing | dict | None) -> dict[str, Any]:
         """Keep the checked ``bucketing`` settings; returns them as a plain dict (for ``hparams.yaml``)."""
