@@ -244,3 +244,24 @@ def test_grpo_fit_with_the_layout_on_trains_like_off(tokenizer_dir, tmp_path):
     for key in ("rollout/score", "rollout/kl_ref", "rollout/entropy", "policy/policy_loss", "policy/kl_loss"):
         assert first_on[key] == pytest.approx(first_off[key], rel=1e-4, abs=1e-6), key
     assert len(metrics["on"]) == len(metrics["off"]) == 3
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_sliding_window_attention_keeps_the_padded_layout(tokenizer_dir, model_type):
+    # the block mask holds no window: packed, a response would see prompt tokens its padded row does not
+    from lit_rlhf.models.shared_prefix import sliding_window
+
+    config = {**llama_config(), "model_type": model_type, "sliding_window": 4}
+    if model_type == "qwen2":
+        config |= {"use_sliding_window": True, "max_window_layers": 0}
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = build_causal_lm(ModelSpec(config=config, tokenizer=tokenizer_dir, seed=0), tokenizer)
+    assert sliding_window(model) == 4
+    ids, mask, P, T = _rollout_rows(model.config.vocab_size)
+    prompt_mask, response_mask = _split(mask, P)
+    assert shared_prefix_layout(model, "auto", ids, prompt_mask, response_mask, PAD, 9 * (T + 1)) is None
+    with pytest.raises(ValueError, match=r"shared_prefix='on' cannot run with sliding-window attention \(window 4"):
+        shared_prefix_layout(model, "on", ids, prompt_mask, response_mask, PAD, 9 * (T + 1))
+    full = build_causal_lm(ModelSpec(config={**config, "sliding_window": None}, tokenizer=tokenizer_dir, seed=0), tokenizer)
+    assert sliding_window(full) is None  # no window: packs as Llama does
+    assert shared_prefix_layout(full, "auto", ids, prompt_mask, response_mask, PAD, 9 * (T + 1)) is not None

@@ -41,6 +41,7 @@ __all__ = [
     "packed_token_scores",
     "pair_layout",
     "shared_prefix_layout",
+    "sliding_window",
     "unsupported_reason",
 ]
 
@@ -281,8 +282,25 @@ def mask_dtype(model: nn.Module) -> torch.dtype | None:
     return model.dtype if implementation == "eager" else None
 
 
+def sliding_window(model: nn.Module) -> int | None:
+    """The attention window of ``model``'s sliding-window layers (Mistral, Gemma 2/3, Qwen2 with
+    ``use_sliding_window``), None when every layer attends to the whole sequence."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return None if types is not None and "sliding_attention" not in types else int(window)
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``model`` cannot run the shared-prompt layout (None when it can): its attention implementation."""
+    """Why ``model`` cannot run the shared-prompt layout (None when it can): its attention implementation,
+    or a sliding window (the block mask holds no window, so a response would see prompt tokens its own
+    padded row does not: other scores and log-probs)."""
+    window = sliding_window(model)
+    if window is not None:
+        return f"sliding-window attention (window {window}; the shared-prompt layout's block mask has none)"
     if mask_dtype(model) is None:
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
         return (
@@ -308,7 +326,7 @@ def refuse_unsupported_shared_prefix(argument: str, mode: str, **models: nn.Modu
 
 def layout_fits(model: nn.Module, layout: SharedPrefixLayout) -> bool:
     """Whether ``layout``'s mask is the one ``model`` takes (a reference may differ from the actor)."""
-    return mask_dtype(model) == layout.attention_mask.dtype
+    return mask_dtype(model) == layout.attention_mask.dtype and sliding_window(model) is None
 
 
 def forward_cost(model: nn.Module, rows: int, width: int, head_positions: int) -> float:
