@@ -271,3 +271,21 @@ def test_dtype_applies_to_parameters_and_values_stay_float32(tiny_config, tokeni
     model = build_score_model(spec, tokenizer)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert outputs(model, "score").dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"target_modules": ["c_attn", "lm_head"]},
+        {"target_modules": ["c_attn"], "modules_to_save": ["wte"]},
+        {"target_modules": r".*(c_attn|lm_head)"},
+    ],
+)
+def test_lora_on_an_embedding_tied_to_the_other_is_refused(tokenizer, tokenizer_dir, lora):
+    # one adapter on the shared matrix's two uses cannot be merged: the export would not be the trained model
+    spec = ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, lora={"r": 2, **lora})
+    with pytest.raises(ValueError, match=r"lora\.(target_modules|modules_to_save) includes .*tie_word_embeddings"):
+        build_causal_lm(spec, tokenizer)
+    untied = ModelSpec(config={**gpt2_config(), "tie_word_embeddings": False}, tokenizer=tokenizer_dir, lora={"r": 2, **lora})
+    assert build_causal_lm(untied, tokenizer) is not None
+    assert build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, lora={"r": 2, "target_modules": ["c_attn"]}), tokenizer)

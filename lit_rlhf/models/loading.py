@@ -11,6 +11,7 @@ reward model", as InstructGPT initialises its value function).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,9 +99,35 @@ def _prepare(model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedToken
         return model
     from peft import LoraConfig, get_peft_model
 
+    _refuse_lora_on_tied_embeddings(model, spec.lora)
     # For SEQ_CLS peft appends the `score` head to modules_to_save (in place, hence the copy), so the
     # head stays fully trainable.
     return get_peft_model(model, LoraConfig(task_type=task_type, **copy.deepcopy(spec.lora)))
+
+
+def _refuse_lora_on_tied_embeddings(model: PreTrainedModel, lora: dict) -> None:
+    """Refuse LoRA adapters (or ``modules_to_save``) on the input or output embeddings of a model that ties
+    them: the adapter of one is not the other's, so the merged export (one shared matrix) would not be the
+    trained model."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    tied = {model.get_input_embeddings(), model.get_output_embeddings()} - {None}
+    names = [name for name, module in model.named_modules() if module in tied]
+
+    def matches(targets, name: str) -> bool:
+        if isinstance(targets, str):  # peft: a regex over the full name ("all-linear" skips the output layer)
+            return targets != "all-linear" and re.fullmatch(targets, name) is not None
+        return any(name == t or name.endswith(f".{t}") for t in targets or ())
+
+    for key in ("target_modules", "modules_to_save"):
+        hit = [name for name in names if matches(lora.get(key), name)]
+        if hit:
+            raise ValueError(
+                f"lora.{key} includes {hit}, an embedding this model ties to the other (tie_word_embeddings): "
+                "an adapter on one of the shared matrix's two uses cannot be merged into the export; leave it "
+                "out, or untie the embeddings (tie_word_embeddings: false) in a copy of the model"
+            )
 
 
 def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
