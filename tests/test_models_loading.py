@@ -289,3 +289,25 @@ def test_lora_on_an_embedding_tied_to_the_other_is_refused(tokenizer, tokenizer_
     untied = ModelSpec(config={**gpt2_config(), "tie_word_embeddings": False}, tokenizer=tokenizer_dir, lora={"r": 2, **lora})
     assert build_causal_lm(untied, tokenizer) is not None
     assert build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, lora={"r": 2, "target_modules": ["c_attn"]}), tokenizer)
+
+
+def test_the_models_further_stop_tokens_are_kept_and_end_rollouts(tokenizer, tokenizer_dir, tmp_path):
+    # an instruct model's generation config stops at its end of turn besides EOS (Gemma's <end_of_turn>)
+    from lit_rlhf.models import export_pretrained, generation_stop_ids
+    from lit_rlhf.modules.online_generation import with_model_stops
+    from lit_rlhf.rollout import GenerationSettings
+
+    end_of_turn = 7
+    source = AutoModelForCausalLM.from_config(AutoConfig.for_model(**gpt2_config(len(tokenizer))))
+    source.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn, tokenizer.pad_token_id]
+    source.save_pretrained(tmp_path / "instruct")
+    model = build_causal_lm(ModelSpec(name_or_path=str(tmp_path / "instruct"), tokenizer=tokenizer_dir), tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id  # the tokenizer's, first
+    assert generation_stop_ids(model) == [tokenizer.eos_token_id, end_of_turn]  # the pad (never sampled) left out
+    export_pretrained(model, tokenizer, tmp_path / "export")
+    assert generation_stop_ids(AutoModelForCausalLM.from_pretrained(tmp_path / "export")) == [tokenizer.eos_token_id, end_of_turn]
+    settings = with_model_stops(GenerationSettings(stop_token_ids=[9]), model, tokenizer)
+    assert settings.stop_token_ids == [9, end_of_turn]  # every engine ends a response there
+    plain = build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir), tokenizer)
+    assert generation_stop_ids(plain) == [tokenizer.eos_token_id]
+    assert with_model_stops(GenerationSettings(), plain, tokenizer) == GenerationSettings()

@@ -16,6 +16,7 @@ from lit_rlhf.models.loading import (
     disable_dropout,
     export_pretrained,
     frozen_copy,
+    generation_stop_ids,
     reference_logits_context,
 )
 from lit_rlhf.models.scoring import (
@@ -74,6 +75,7 @@ __all__ = [
     "export_pretrained",
     "final_hidden_states",
     "frozen_copy",
+    "generation_stop_ids",
     "head_token_scores",
     "last_token_index",
     "next_token_logprobs",

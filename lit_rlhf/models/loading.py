@@ -63,13 +63,26 @@ def _inline_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, **overri
 
 
 def _set_special_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Make the model agree with the tokenizer on pad/EOS (the tokenizer is the source of truth)."""
-    configs = [model.config]
-    if getattr(model, "generation_config", None) is not None:
-        configs.append(model.generation_config)
-    for config in configs:
-        config.pad_token_id = tokenizer.pad_token_id
-        config.eos_token_id = tokenizer.eos_token_id
+    """Make the model agree with the tokenizer on pad/EOS (the tokenizer is the source of truth).
+
+    A generation config's further stop tokens (an instruct model's end of turn: Gemma's ``<end_of_turn>``,
+    Llama 3's ``<|eom_id|>``) are kept after the tokenizer's EOS: the rollout engines stop at them too
+    (:func:`generation_stop_ids`), and an export generates as the model did."""
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        extra = [i for i in generation_stop_ids(model) if i not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
+        generation.pad_token_id = tokenizer.pad_token_id
+        generation.eos_token_id = [tokenizer.eos_token_id, *extra] if extra else tokenizer.eos_token_id
+
+
+def generation_stop_ids(model: nn.Module) -> list[int]:
+    """The stop token ids of ``model``'s generation config (``eos_token_id``, one id or a list; [] without)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def _enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -7,6 +7,7 @@ length (right-padded).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -15,6 +16,7 @@ from lightning.pytorch import LightningModule
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.engines import Responses, RolloutEngine, check_responses
 from lit_rlhf.environments import Episodes, open_episodes, run_episodes
+from lit_rlhf.models import generation_stop_ids
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import generation_context
 from lit_rlhf.rollout import GenerationSettings
@@ -91,7 +93,7 @@ class OnlineGeneration(LightningModule):
     ) -> Responses:
         """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
         ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
-        settings = settings or self.generation
+        settings = with_model_stops(settings or self.generation, self.actor, self.tokenizer)
         engine = self.rollout_engine()
         with self.trainer.profiler.profile("rollout/generate"):
             if not engine.uses_policy:
@@ -157,3 +159,13 @@ class OnlineGeneration(LightningModule):
         if self.environment.enabled:
             return self.environment.token_budget(self.generation.max_new_tokens)
         return self.generation.max_new_tokens
+
+
+def with_model_stops(settings: GenerationSettings, model: torch.nn.Module, tokenizer) -> GenerationSettings:
+    """``settings`` with the model's own further stop tokens added to ``stop_token_ids``: those of its
+    generation config besides the tokenizer's EOS (an instruct model's end of turn, e.g. Gemma's
+    ``<end_of_turn>``), so every engine ends a response where the model's ``generate`` would (the pad token,
+    never sampled, left out)."""
+    known = {tokenizer.eos_token_id, tokenizer.pad_token_id, *settings.stop_token_ids}
+    extra = [i for i in generation_stop_ids(model) if i not in known]
+    return replace(settings, stop_token_ids=[*settings.stop_token_ids, *extra]) if extra else settings
