@@ -173,7 +173,12 @@ def nested_field_message(message: str) -> str | None:
         block.append(line.strip(" -"))
     given = next((line.split(":", 1)[1].strip() for line in block if line.startswith("Given value:")), None)
     problems = [line for line in block if line and not line.startswith(_NOISE) and not line.startswith("Given value:")]
+    path = ".".join(key for _, key in found)
+    path = path.replace("model.", "model.init_args.", 1).replace("data.", "data.init_args.", 1)
     expected = [m.group(1) for line in problems if (m := re.match(r"Expected a <class '([\w.]+)'>", line))]
+    choice = next((m for line in problems if (m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$", line))), None)
+    if choice:  # the wording of the settings groups' own checks
+        return f"{path} must be one of [{choice.group(1)}], got {choice.group(2)!r}"
     if expected:
         got = re.search(r"Got value: (.*)$", " ".join(problems))
         got = got.group(1) if got else given
@@ -183,6 +188,4 @@ def nested_field_message(message: str) -> str | None:
         problem = problems[0]
     else:
         return None
-    path = ".".join(key for _, key in found)
-    path = path.replace("model.", "model.init_args.", 1).replace("data.", "data.init_args.", 1)
     return f"{path}: {problem}"

@@ -340,7 +340,7 @@ def test_the_cli_parses_the_group(tmp_path):
     block = out.stdout.split("is_correction:")[1]
     for line in ("mode: sequence_mask", "cap: 2.0", "low: 0.999", "sequence_ratio: geometric_mean"):
         assert line in block, block
-    # a value the group refuses: one line naming the key, when the module is built (before any training)
+    # a value the group refuses: one line naming the key, when the command line is parsed (before any training)
     out = cli(
         "--model.init_args.update.is_correction.mode",
         "tis",
@@ -350,5 +350,5 @@ def test_the_cli_parses_the_group(tmp_path):
     )
     assert out.returncode != 0
     assert (
-        "error: update.is_correction.mode must be one of ['auto', 'none', 'token_truncate'" in out.stderr
+        "error: model.init_args.update.is_correction.mode must be one of ['auto', 'none', 'token_truncate'" in out.stderr
     ), out.stderr[-2000:]
