@@ -21,14 +21,32 @@ class CheckpointFileError(ValueError):
         super().__init__(f"checkpoint {path}: {problem}")
 
 
+# what a folder holds when it is a sharded checkpoint: torch.distributed.checkpoint's index (Lightning's FSDP
+# strategies), DeepSpeed's pointer to its newest tag
+SHARDED_MARKERS = (".metadata", "latest")
+
+
+def check_checkpoint_folder(path: str) -> None:
+    """A folder given as a checkpoint must be a sharded one (left to the strategy); any other folder, e.g. the
+    ``checkpoints`` folder itself, is refused naming the checkpoint files it holds."""
+    if any(os.path.exists(os.path.join(path, marker)) for marker in SHARDED_MARKERS):
+        return
+    files = sorted(f for f in os.listdir(path) if f.endswith(".ckpt"))
+    hint = f"; it holds {files[:5]}{' ...' if len(files) > 5 else ''}: give one of them" if files else ""
+    raise CheckpointFileError(
+        path, f"a folder, not a checkpoint file, nor a sharded checkpoint (no {' or '.join(SHARDED_MARKERS)} in it){hint}"
+    )
+
+
 def check_checkpoint_file(path: str | os.PathLike) -> None:
     """Cheap checks of a checkpoint file without loading it: exists, not empty, a complete zip archive.
 
-    Raises :class:`CheckpointFileError`; a folder (a sharded FSDP checkpoint) is left to the strategy.
+    Raises :class:`CheckpointFileError`; a folder is left to the strategy when it is a sharded checkpoint
+    (:func:`check_checkpoint_folder`), refused otherwise.
     """
     path = str(path)
     if os.path.isdir(path):
-        return
+        return check_checkpoint_folder(path)
     if not os.path.exists(path):
         raise CheckpointFileError(path, "no such file")
     if os.path.getsize(path) == 0:
@@ -59,7 +77,7 @@ def load_checkpoint_file(path: str | os.PathLike) -> dict[str, Any] | None:
     """
     path = str(path)
     if os.path.isdir(path):
-        return None
+        return check_checkpoint_folder(path)
     check_checkpoint_file(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

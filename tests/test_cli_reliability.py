@@ -386,3 +386,18 @@ def test_fixed_hyper_parameters_are_compared_generically():
     changed = saved.changed_fixed_hparams(Online({"num_samples": 8}, {"groups": 1}, 3))
     assert changed[0].startswith("generation.num_samples cannot change on resume: the checkpoint has 4, this run 8")
     assert changed[1] == "update.groups cannot change on resume: the checkpoint has 2, this run 1"
+
+
+def test_a_folder_is_a_checkpoint_only_when_it_is_a_sharded_one(tmp_path):
+    from lit_rlhf.checkpoints import CheckpointFileError, check_checkpoint_file, load_checkpoint_file
+
+    folder = tmp_path / "checkpoints"  # e.g. --ckpt_path runs/x/checkpoints instead of a file in it
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(b"")
+    for check in (check_checkpoint_file, load_checkpoint_file):
+        with pytest.raises(CheckpointFileError, match=r"a folder, not a checkpoint file.* it holds \['last.ckpt'\]"):
+            check(folder)
+    sharded = tmp_path / "sharded.ckpt"  # torch.distributed.checkpoint's layout (Lightning's FSDP): the strategy's
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"x")
+    assert check_checkpoint_file(sharded) is None and load_checkpoint_file(sharded) is None
