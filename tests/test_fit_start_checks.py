@@ -122,3 +122,20 @@ def test_a_data_module_with_another_tokenizer_is_refused_before_the_first_step(t
     with pytest.raises(ValueError, match=r"the data module's tokenizer .*other_tok.* is not the model's .*another vocabulary"):
         trainer.fit(model, data)
     assert counter.steps == 0
+
+
+def test_sft_rows_past_a_learned_position_table_are_refused(tokenizer_dir, tmp_path):
+    import json
+
+    from conftest import gpt2_config
+
+    from lit_rlhf.data import SFTDataModule
+    from lit_rlhf.modules import SFTModule
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "the food " * 6, "completion": " was good" * 6}) + "\n" for _ in range(4)))
+    model = SFTModule(model={"config": {**gpt2_config(), "n_positions": 16}, "tokenizer": tokenizer_dir, "seed": 0}, num_samples=0)
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^SFTModule: rows of \d+ tokens .* past the 16 the model's learned position table holds"):
+        trainer.fit(model, SFTDataModule(tokenizer_dir, str(rows), batch_size=4))

@@ -316,3 +316,17 @@ def test_a_rollout_of_one_learned_token_trains(tokenizer_dir, tmp_path, algorith
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r[f"{prefix}/advantages_std"] == 0.0 for r in rows)
     assert all(r[f"{prefix}/policy_loss"] == 0.0 for r in rows)  # a whitened single advantage is 0
+
+
+def test_a_rollout_past_a_learned_position_table_is_refused_naming_its_settings(tokenizer_dir, tmp_path):
+    # GPT-2's table of n_positions rows: an index past it fails inside the forward (a device assert on a GPU)
+    config = {**gpt2_config(), "n_positions": 12}
+    module = tiny_critic_free(tokenizer_dir, config, max_rollouts=1, generation={"max_new_tokens": 16, "num_samples": 4})
+    with pytest.raises(ValueError, match=r"^CriticFreeModule: a prompt .* of \d+ tokens and generation.max_new_tokens=16 make \d+ positions, past the 12"):
+        trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    from conftest import llama_config
+
+    llama = {**llama_config(), "max_position_embeddings": 12}  # rotary: runs past it
+    module = tiny_critic_free(tokenizer_dir, llama, max_rollouts=1, generation={"max_new_tokens": 16, "num_samples": 4})
+    trainer(tmp_path / "llama").fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    assert module.rollouts_done == 1

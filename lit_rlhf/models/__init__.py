@@ -13,6 +13,7 @@ from lit_rlhf.models.lm_head import (
 from lit_rlhf.models.loading import (
     build_causal_lm,
     build_score_model,
+    check_positions,
     disable_dropout,
     export_pretrained,
     frozen_copy,
@@ -63,6 +64,7 @@ __all__ = [
     "SharedPrefixLayout",
     "ValueHead",
     "build_causal_lm",
+    "check_positions",
     "build_score_model",
     "causal_lm_logits",
     "causal_lm_logits_and_hidden",

@@ -77,6 +77,32 @@ def _set_special_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenize
         generation.eos_token_id = [tokenizer.eos_token_id, *extra] if extra else tokenizer.eos_token_id
 
 
+def learned_position_limit(model: nn.Module) -> int | None:
+    """The most positions ``model`` can embed when it has a learned position table (GPT-2, GPT-Neo, OPT):
+    an index past it fails inside the forward (a device-side assert on a GPU). None for rotary and ALiBi
+    models, which run past their trained context."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    words = model.get_input_embeddings()
+    for module in model.modules():  # OPT's table has 2 more rows (an offset)
+        if isinstance(module, nn.Embedding) and module is not words and module.num_embeddings in (limit, limit + 2):
+            return int(limit)
+    return None
+
+
+def check_positions(model: nn.Module, length: int, owner: str, what: str) -> None:
+    """Refuse a forward of ``length`` positions past ``model``'s learned position table (built models
+    record it), naming ``what`` made them (``owner`` starts the message)."""
+    limit = getattr(model, "_lit_rlhf_position_limit", None)
+    if limit is not None and length > limit:
+        raise ValueError(
+            f"{owner}: {what} make {length} positions, past the {limit} the model's learned position table "
+            f"holds (its config's n_positions / max_position_embeddings)"
+        )
+
+
 def generation_stop_ids(model: nn.Module) -> list[int]:
     """The stop token ids of ``model``'s generation config (``eos_token_id``, one id or a list; [] without)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -163,6 +189,7 @@ def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.M
         model = _prepare(model, spec, tokenizer, "CAUSAL_LM")
     set_logits_chunking(model, spec.logits_chunking, spec.fused_lm_head)
     set_scored_last_layer(model, spec.scored_last_layer)
+    model._lit_rlhf_position_limit = learned_position_limit(model)
     return model
 
 
@@ -189,6 +216,7 @@ def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn
             )
         model = _prepare(model, spec, tokenizer, "SEQ_CLS")
     set_scored_last_layer(model, spec.scored_last_layer)
+    model._lit_rlhf_position_limit = learned_position_limit(model)
     return model
 
 

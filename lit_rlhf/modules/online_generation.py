@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from lit_rlhf.data.contract import check_batch, left_pad_prompts
 from lit_rlhf.engines import Responses, RolloutEngine, check_responses
 from lit_rlhf.environments import Episodes, open_episodes, run_episodes
-from lit_rlhf.models import generation_stop_ids
+from lit_rlhf.models import check_positions, generation_stop_ids
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import generation_context
 from lit_rlhf.rollout import GenerationSettings
@@ -94,6 +94,9 @@ class OnlineGeneration(LightningModule):
         """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
         ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
         settings = with_model_stops(settings or self.generation, self.actor, self.tokenizer)
+        longest = int(prompt_mask.sum(dim=1).max()) if prompt_mask.numel() else 0
+        what = f"a prompt (or episode context) of {longest} tokens and generation.max_new_tokens={settings.max_new_tokens}"
+        check_positions(self.actor, longest + settings.max_new_tokens, type(self).__name__, what)
         engine = self.rollout_engine()
         with self.trainer.profiler.profile("rollout/generate"):
             if not engine.uses_policy:

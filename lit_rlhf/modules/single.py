@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lit_rlhf.batching import Bucketing, scatter_rows, sequence_micro_batches
 from lit_rlhf.guards import StepGuard
-from lit_rlhf.models import ModelSpec, export_pretrained, load_tokenizer
+from lit_rlhf.models import ModelSpec, check_positions, export_pretrained, load_tokenizer
 from lit_rlhf.modules.base import (
     check_data_tokenizer,
     configure_optimizer_and_scheduler,
@@ -74,6 +74,8 @@ class SingleModelModule(LightningModule):
     def micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[torch.Tensor | slice, slice]]:
         """(rows, columns) of the forwards over an (N, L) batch: length-bucketed and trimmed under
         ``bucketing`` where that saves compute, else the whole batch (see :mod:`lit_rlhf.batching`)."""
+        longest = int(attention_mask.sum(dim=1).max()) if attention_mask.numel() else 0
+        check_positions(self.model, longest, type(self).__name__, f"rows of {longest} tokens (the data's max_length)")
         return sequence_micro_batches(attention_mask, self.bucketing.resolved(self.model))
 
     def per_row(
