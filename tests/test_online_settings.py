@@ -330,3 +330,19 @@ def test_a_rollout_past_a_learned_position_table_is_refused_naming_its_settings(
     module = tiny_critic_free(tokenizer_dir, llama, max_rollouts=1, generation={"max_new_tokens": 16, "num_samples": 4})
     trainer(tmp_path / "llama").fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
     assert module.rollouts_done == 1
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "online_dpo"])
+def test_more_minibatches_than_a_rollout_holds_is_refused_when_the_fit_sets_up(tokenizer_dir, prompt_file, tmp_path, algorithm):
+    from test_online_dpo import tiny_online_dpo
+
+    from lit_rlhf.data import PromptDataModule
+
+    data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=2)
+    if algorithm == "grpo":  # rows: 2 prompts x K = 4
+        module, message = tiny_critic_free(tokenizer_dir, gpt2_config(), update={"num_minibatches": 9}), "8 rows"
+    else:  # whole prompts (a pair's rows together)
+        module, message = tiny_online_dpo(tokenizer_dir, update={"num_minibatches": 3}), "2 prompts"
+    with pytest.raises(ValueError, match=rf"update.num_minibatches=\d is more than a rollout's {message} \(the data's batch_size 2"):
+        trainer(tmp_path).fit(module, data)
+    assert module.rollouts_done == 0

@@ -366,6 +366,8 @@ class OnlineRLModule(
     @override
     def setup(self, stage: str) -> None:
         check_data_tokenizer(self, self.tokenizer_source)
+        if stage == "fit":
+            self.check_minibatches_fit()
 
     # -- sharding and the engine's lifecycle ------------------------------------------------------------
     @override

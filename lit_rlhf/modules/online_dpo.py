@@ -165,6 +165,7 @@ class OnlineDPOModule(OnlineRLModule):
     metric_prefix = "dpo"
     loss_stats = ONLINE_DPO_LOSS_STATS
     extra_metrics = ("pairs", "ties", "beta")
+    minibatches_of_prompts: ClassVar[bool] = True  # a pair's two rows in one minibatch
     settings_groups: ClassVar[dict] = {
         **OnlineRLModule.settings_groups, "update": OnlineDPOUpdate, "kl": OnlineDPOKL,
         "preference": PreferenceSettings,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -29,6 +30,24 @@ LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 class OnlineUpdate(LightningModule):
     """Mixin of OnlineRLModule (it relies on the base's ``buffer``, ``update``, ``step_guard``, ``engine``,
     ``update_metrics``, ``loss_stats``, ``micro_batches``, ``rollouts_done``, ``actor``)."""
+
+    # the update's minibatches hold whole prompts (all K responses of each), not rows (online DPO's pairs)
+    minibatches_of_prompts: ClassVar[bool] = False
+
+    def check_minibatches_fit(self) -> None:
+        """Refuse, when the fit sets up, ``update.num_minibatches`` above what a rollout of the data module's
+        ``batch_size`` prompts can be split into (the replay buffer would refuse it after the first rollout)."""
+        batch = getattr(getattr(getattr(self.trainer, "datamodule", None), "hparams", None), "batch_size", None)
+        if not isinstance(batch, int):
+            return
+        K = self.num_samples
+        units, what = (batch, "prompts") if self.minibatches_of_prompts else (batch * K, "rows")
+        if units < self.update.num_minibatches:
+            raise ValueError(
+                f"{type(self).__name__}: update.num_minibatches={self.update.num_minibatches} is more than a "
+                f"rollout's {units} {what} (the data's batch_size {batch}, generation.num_samples {K}): each "
+                "minibatch needs at least one"
+            )
 
     def run_update_epochs(
         self, loss_fn: LossFn, optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]]
