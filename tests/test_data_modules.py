@@ -484,3 +484,24 @@ def test_training_modules_import_datasets_only_when_a_source_is_read(tokenizer_d
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "1 True"]
+
+
+def test_csv_cells_are_read_as_the_text_written(tokenizer_dir, tmp_path):
+    # pandas would read a column of numbers as numbers and "None" / "NA" as missing
+    (tmp_path / "sft").mkdir()
+    sft = tmp_path / "sft" / "data.csv"
+    sft.write_text("prompt,completion\nWhat is 2+2?,4\nSay None,None\nSay NA,NA\n")
+    data = make(SFTDataModule, tokenizer_dir, str(sft), tmp_path)
+    data.setup("fit")
+    assert len(data.train_dataset) == 3
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt,answer\nq1,4\nq2,0\nq3,NA\n")
+    data = make(PromptDataModule, tokenizer_dir, str(prompts), tmp_path, batch_size=3)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert sorted(batch["columns"]["answer"]) == ["0", "4", "NA"]  # what a reward function compares with
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text('prompt,chosen,rejected,margin\nthe food, good, bad,0.5\nthe movie, great, awful,2\n')
+    data = make(PreferenceDataModule, tokenizer_dir, str(pairs), tmp_path, batch_size=2)
+    data.setup("fit")
+    assert sorted(next(iter(data.train_dataloader()))["margin"].tolist()) == [0.5, 2.0]  # numbers where they must be

@@ -201,6 +201,11 @@ def _parse_sharegpt_turn(value: Any, ref: RowRef, field: str) -> Chat:
 
 
 def parse_margin(value: Any, ref: RowRef) -> float:
+    if isinstance(value, str):  # a CSV cell is text as written
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ref.error("margin", f"expected a finite number, got {value!r}")
     return float(value)

@@ -6,9 +6,10 @@ not with this module: the training modules import the data package for its batch
 
 from __future__ import annotations
 
+import csv
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lit_rlhf.data.formats import DataFormatError
 
@@ -72,6 +73,22 @@ def _select_slice(dataset: Dataset, split: str, path: str) -> Dataset:
     return dataset.add_column(FILE_ROW_COLUMN, list(range(len(dataset)))).select(rows)
 
 
+def _csv_as_written(path: str) -> dict[str, Any]:
+    """``load_dataset("csv")`` options that keep every cell the text it is: pandas would read a column of
+    numbers as numbers (an answer ``4`` as 4, or 4.0 beside an empty cell) and ``None``, ``NA`` or an empty
+    cell as missing. A bad header is left to the reader's own error."""
+    from datasets import Features, Value
+
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), None)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return {}
+    if not header or len(set(header)) != len(header):
+        return {}
+    return {"features": Features({name: Value("string") for name in header}), "keep_default_na": False}
+
+
 def load_source(path: str, split: str = "train", cache_dir: str | None = None) -> Dataset:
     """Load ``path`` as one ``Dataset``.
 
@@ -96,7 +113,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
         elif ext in FILE_BUILDERS:
             if not os.path.isfile(path):
                 raise DataFormatError(path, "file not found")
-            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", cache_dir=cache_dir)
+            options = _csv_as_written(path) if ext == ".csv" else {}
+            dataset = load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", cache_dir=cache_dir, **options)
             if split != "train":
                 dataset = _select_slice(dataset, split, path)
         elif os.path.isfile(path):
