@@ -505,3 +505,12 @@ def test_csv_cells_are_read_as_the_text_written(tokenizer_dir, tmp_path):
     data = make(PreferenceDataModule, tokenizer_dir, str(pairs), tmp_path, batch_size=2)
     data.setup("fit")
     assert sorted(next(iter(data.train_dataloader()))["margin"].tolist()) == [0.5, 2.0]  # numbers where they must be
+
+
+def test_a_saved_dataset_takes_a_slice_and_refuses_another_split(tokenizer_dir, tmp_path):
+    path = write_rows([{"prompt": f"the food {i}", "completion": " was good"} for i in range(10)], tmp_path, "disk")
+    data = make(SFTDataModule, tokenizer_dir, path, tmp_path, split="train[:4]")
+    data.setup("fit")
+    assert len(data.train_dataset) == 4
+    with pytest.raises(DataFormatError, match=r"bad split 'test' for a local file or saved Dataset \('train' or a slice"):
+        make(SFTDataModule, tokenizer_dir, path, tmp_path, split="test").setup("fit")

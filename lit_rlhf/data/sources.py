@@ -59,16 +59,17 @@ def check_text_file(path: str) -> None:
 
 
 def _select_slice(dataset: Dataset, split: str, path: str) -> Dataset:
-    """Apply a ``datasets`` slice such as ``train[10:]`` to a local file's one split, recording each
-    row's number in the file (``FILE_ROW_COLUMN``) so that errors point at the file, not the slice."""
+    """Apply a ``datasets`` slice such as ``train[10:]`` to a local file's (or saved ``Dataset``'s) one split,
+    recording each row's number in the file (``FILE_ROW_COLUMN``) so that errors point at the file, not the
+    slice."""
     from datasets import ReadInstruction
 
     try:
         parts = ReadInstruction.from_spec(split).to_absolute({"train": len(dataset)})
     except (ValueError, AssertionError) as err:
-        raise DataFormatError(path, f"cannot read the data: bad split {split!r} for a local file ('train' or a slice such as 'train[:100]'): {err}") from err
+        raise DataFormatError(path, f"cannot read the data: bad split {split!r} for a local file or saved Dataset ('train' or a slice such as 'train[:100]'): {err}") from err
     if any(part.splitname != "train" for part in parts):
-        raise DataFormatError(path, f"cannot read the data: a local file has one split, 'train'; got {split!r}")
+        raise DataFormatError(path, f"cannot read the data: a local file or saved Dataset has one split, 'train'; got {split!r}")
     rows = [r for part in parts for r in range(part.from_, part.to)]
     return dataset.add_column(FILE_ROW_COLUMN, list(range(len(dataset)))).select(rows)
 
@@ -93,7 +94,7 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
     """Load ``path`` as one ``Dataset``.
 
     ``path`` is, in this order: a folder written by ``save_to_disk`` (``load_from_disk``; ``split`` picks
-    a split of a saved ``DatasetDict``); a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file (its
+    a split of a saved ``DatasetDict``, or slices a saved ``Dataset`` as a local file's one split); a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file (its
     one split is ``"train"``: all rows; a ``datasets`` slice of it such as ``"train[:1200]"`` keeps those
     rows); otherwise a hub dataset name or a folder of data files
     (``load_dataset(path, split=split)``). Any failure is a :class:`DataFormatError` naming ``path``.
@@ -110,6 +111,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
                         path, f"no split {split!r}; the saved dataset has {sorted(dataset)}"
                     )
                 dataset = dataset[split]
+            elif split != "train":  # one saved Dataset: one split, as a local file has
+                dataset = _select_slice(dataset, split, path)
         elif ext in FILE_BUILDERS:
             if not os.path.isfile(path):
                 raise DataFormatError(path, "file not found")
