@@ -386,3 +386,12 @@ def test_the_cli_builds_an_ensemble_reward_model_from_yaml(
         ensemble = cli.model.rewards.ensemble
         expected = ("mean_minus_var", 0.25) if reward_model is None else ("mean", 1.0)
         assert len(cli.model.rewards.members) == 3 and (ensemble.aggregation, ensemble.coef) == expected
+
+
+def test_members_from_one_reward_model_checkpoint_need_the_bootstrap(ensemble_dir):
+    # a checkpoint keeps its trained head: the seeds change nothing, and on the same pairs the K would stay one
+    checkpoint = str(ensemble_dir / "member_0")
+    with pytest.raises(ValueError, match=r"the 2 members start from the same weights .* Set bootstrap: true"):
+        RewardEnsembleModule(checkpoint, num_members=2)
+    module = RewardEnsembleModule(checkpoint, num_members=2, bootstrap=True)  # each its own resample
+    assert len(module.model) == 2

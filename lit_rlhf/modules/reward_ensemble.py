@@ -101,10 +101,18 @@ class RewardEnsembleModule(SingleModelModule):
         self.persist_train_metrics(self.metrics["train_metrics"])
 
     def build_members(self, spec: ModelSpec, tokenizer) -> torch.nn.ModuleList:
-        """The K reward models, member k built with ``seeds[k]``."""
-        return torch.nn.ModuleList(
+        """The K reward models, member k built with ``seeds[k]``; refused when they would all stay one model."""
+        members = torch.nn.ModuleList(
             build_score_model(dataclasses.replace(spec, seed=seed), tokenizer) for seed in self.seeds
         )
+        if not self.hparams.bootstrap and _all_equal(members):
+            raise ValueError(
+                f"{type(self).__name__}: the {len(members)} members start from the same weights (a reward-model "
+                "checkpoint keeps its trained head, so the seeds change nothing) and would train on the same "
+                "pairs: they would stay one model (ensemble spread 0). Set bootstrap: true (each member its own "
+                "resample of the pairs), or start from the backbone (e.g. the SFT export) for a new head each"
+            )
+        return members
 
     def stage_metrics(self) -> torch.nn.ModuleDict:
         """The aggregated score's pair metrics, each member's accuracy and the mean spread, of one stage."""
@@ -257,3 +265,11 @@ def _check_arguments(
     if center < 0:
         raise ValueError(f"{name}: center_rewards_coef must be >= 0, got {center}")
     return seeds
+
+
+def _all_equal(members: torch.nn.ModuleList) -> bool:
+    """Whether every member's parameters equal the first member's (same names, values)."""
+    first = dict(members[0].named_parameters())
+    return all(
+        all(torch.equal(first[name], p) for name, p in other.named_parameters()) for other in members[1:]
+    )
