@@ -181,6 +181,20 @@ def test_test_untrained_policy_on_the_test_path_logs_test_metrics(tiny_data, tmp
     assert data.stats["test"]["rows"] == 40 and ("test" in module.ref_logps) == precompute
 
 
+def test_fit_then_test_with_a_precomputed_reference(tiny_data, tmp_path):
+    # Lightning's fit-then-test pattern: the test split is scored with the reference before it is freed
+    runs = {}
+    for precompute in (False, True):
+        torch.manual_seed(0)
+        module = _dpo(tiny_data, precompute_ref_logprobs=precompute)
+        data = _data(tiny_data, test_path=f"{tiny_data}/prefs_test.jsonl")
+        trainer = _trainer(tmp_path / str(precompute), max_steps=3, enable_checkpointing=False)
+        trainer.fit(module, data)
+        runs[precompute] = trainer.test(module, data, verbose=False)[0]
+    assert set(runs[True]) == {f"test/{name}" for name in METRICS}
+    assert runs[True]["test/loss"] == pytest.approx(runs[False]["test/loss"], abs=1e-5)
+
+
 @pytest.mark.parametrize("precompute", [False, True])
 def test_nll_coef_adds_the_chosen_per_token_nll(tiny_data, tmp_path, precompute):
     # the untrained policy: DPO's loss is log 2, so the loss is log 2 + alpha * the chosen per-token NLL

@@ -74,8 +74,9 @@ class DPOModule(SingleModelModule):
             chosen responses' per-token negative log-likelihood (``functional.chosen_nll``, logged as
             ``{stage}/nll_loss``; ``{stage}/loss`` includes it), which keeps their likelihood from falling
             with the rejected ones' (TRL's ``rpo_alpha``). 0 (default) is plain DPO / IPO / SimPO.
-        precompute_ref_logprobs: score the whole training and validation sets with the reference once,
-            when fitting starts, keep the log-probs per pair (by ``row_index``) and free the reference;
+        precompute_ref_logprobs: score the whole training and validation sets (and the test set, when the data
+            module has a ``test_path``) with the reference once, when fitting starts, keep the log-probs per
+            pair (by ``row_index``) and free the reference;
             needs a data module with ``train_dataset``/``val_dataset``/``collator`` (PreferenceDataModule).
         disable_dropout: set the policy's dropout to 0, so that before the first update the policy and
             the reference give the same log-probs (implicit rewards start at exactly 0), as TRL does.
@@ -289,7 +290,10 @@ class DPOModule(SingleModelModule):
     @override
     def on_fit_start(self) -> None:
         if self.hparams.precompute_ref_logprobs:
-            self._precompute(("train", "val"))
+            datamodule = self.trainer.datamodule
+            if getattr(getattr(datamodule, "hparams", None), "test_path", None) is not None:
+                datamodule.setup("test")  # scored now too: fit() then test() on this module needs no reference
+            self._precompute(("train", "val", "test"))
             # the reference leaves memory (a LoRA policy's adapters simply stay enabled)
             self.reference, self._reference_released = None, self.reference is not None
 
