@@ -109,7 +109,9 @@ class RewardSource(torch.nn.Module):
     Python functions.
 
     A reward model that shares the actor's tokenizer scores the token ids directly; one with another
-    vocabulary gets the decoded text re-tokenised with its own tokenizer. Functions get the decoded prompts
+    vocabulary gets the decoded text re-tokenised with its own tokenizer (special tokens, such as the actor's
+    chat markers, left out; its EOS appended where the response ended with a stop token, not to a response
+    cut at ``max_new_tokens``). Functions get the decoded prompts
     and responses, the responses' token ids and the prompt rows' other columns (``columns``). An ensemble's
     members (``members``, frozen; one tokenizer for all) each score every response; the score is their
     aggregate (``functional.aggregate_ensemble``). Under FSDP an ensemble's members are not sharded (each
@@ -269,11 +271,14 @@ class RewardSource(torch.nn.Module):
         """(M, B) float32 scores of the M reward models (one, or an ensemble's members), in micro-batches (see
         :meth:`score_terms`)."""
         if self.model_tokenizer is not None:
+            response_ids, response_mask = input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
-            responses = self.decode_responses(
-                input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
-            )
-            texts = [p + r + self.model_tokenizer.eos_token for p, r in zip(prompts, responses)]
+            responses = self.decode_responses(response_ids, response_mask)
+            # the reward model's EOS only where the response ended (its last token a stop token, e.g. EOS): a
+            # response cut at max_new_tokens is scored unfinished, as the actor's own tokens would be
+            ended = _ends_with_special(response_ids, response_mask, self.tokenizer.all_special_ids)
+            eos = self.model_tokenizer.eos_token
+            texts = [p + r + (eos if end else "") for p, r, end in zip(prompts, responses, ended)]
             enc = self.model_tokenizer(texts, return_tensors="pt", padding=True).to(input_ids.device)
             input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
         n = input_ids.shape[0]
@@ -291,3 +296,12 @@ class RewardSource(torch.nn.Module):
             for rows, columns in batches
         ]
         return scatter_rows(parts, [rows for rows, _ in batches], n).T  # (M, B)
+
+
+def _ends_with_special(ids: torch.Tensor, mask: torch.Tensor, special: list[int]) -> list[bool]:
+    """For (B, T) right-padded responses: whether each one's last real token is a special token (a stop
+    token such as EOS)."""
+    last = (mask.long().sum(dim=1) - 1).clamp(min=0)  # (B,)
+    tokens = ids.gather(1, last[:, None]).squeeze(1)  # (B,)
+    is_special = torch.isin(tokens, torch.tensor(special, dtype=ids.dtype, device=ids.device))
+    return (is_special & mask.any(dim=1)).tolist()

@@ -110,3 +110,10 @@ def test_reward_model_with_another_vocabulary_scores_retokenised_text(
     with torch.no_grad():
         want = sequence_scores(rm.eval(), enc["input_ids"], enc["attention_mask"])
     torch.testing.assert_close(got, want)
+    # a response cut at max_new_tokens (no EOS) is scored as unfinished text: no EOS added for the reward model
+    cut = torch.tensor([actor_tok(prompt)["input_ids"] + actor_tok(response)["input_ids"]])
+    got = source.score(cut, torch.ones_like(cut), T - 1, chunk_size=4)
+    enc = rm_tok([prompt + response], return_tensors="pt")
+    with torch.no_grad():
+        want = sequence_scores(rm.eval(), enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(got, want)
