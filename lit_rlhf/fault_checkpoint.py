@@ -148,6 +148,8 @@ class FaultCheckpoint(Callback):
             return
         try:
             why = self._why_not(trainer)
+            if why is not None and trainer.fit_loop.epoch_loop.batch_progress.total.started == 0:
+                return  # a fault before training (set-up, data, a check): nothing was done, nothing to say
             if why is not None:
                 rank_zero_warn(f"FaultCheckpoint: nothing saved: {why}")
                 return

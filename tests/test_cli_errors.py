@@ -95,9 +95,11 @@ def test_a_missing_export_names_the_config_that_writes_it(workdir, name):
 
 
 def test_a_missing_data_file_at_setup_is_one_error_line(workdir):
-    line = error_line(lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/sft_tiny.yaml"),
-                               "--data.init_args.train_path=data/tiny/nope.jsonl"))  # fmt: skip
+    proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/sft_tiny.yaml"),
+                    "--data.init_args.train_path=data/tiny/nope.jsonl")  # fmt: skip
+    line = error_line(proc)
     assert "data/tiny/nope.jsonl" in line and "not found" in line
+    assert "FaultCheckpoint" not in proc.stderr, "nothing had run: nothing to say about saving"
 
 
 def test_validate_without_a_validation_split_is_one_error_line(workdir):
