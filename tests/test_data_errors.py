@@ -41,6 +41,20 @@ def test_truncated_json_line_names_file_line_and_row(tokenizer_dir, tmp_path):
     assert msg.startswith(str(path)) and "row 5 (0-based)" in msg and "line 6: malformed JSON" in msg, msg
 
 
+@pytest.mark.parametrize(
+    "line, problem",
+    [(b"5\n", "a JSON line must be an object ({...}), got int"), (b'["a", "b"]\n', "got list"),
+     (b'{"prompt": "\\ud800", "chosen": "b", "rejected": "c"}\n', "a lone surrogate escape")],
+)  # fmt: skip
+def test_a_json_line_that_is_no_row_names_file_line_and_row(line, problem, tokenizer_dir, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_bytes(lines([PAIR] * 2) + line + lines([PAIR]))
+    with pytest.raises(DataFormatError) as err:
+        prefs(tokenizer_dir, path).setup()
+    msg = str(err.value)
+    assert msg.startswith(str(path)) and "row 2 (0-based)" in msg and "line 3: " in msg and problem in msg, msg
+
+
 @pytest.mark.parametrize("content", [b"", b"\n\n"])
 def test_empty_file_says_so(content, tokenizer_dir, tmp_path):
     path = tmp_path / "prefs.jsonl"

@@ -389,11 +389,15 @@ def test_unreadable_or_missing_file(name, content, problem, tokenizer_dir, tmp_p
         ({"length_policy": "cut"}, "length_policy"),
         ({"batch_size": 0}, "batch_size"),
         ({"format": "hh"}, "format"),
+        ({"train_path": ""}, "train_path must be a non-empty path or name, got ''"),
+        ({"val_path": " "}, "val_path must be None or a non-empty path"),
+        ({"test_path": ""}, "test_path must be None or a non-empty path"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, name, tokenizer_dir):
+    kwargs = {"train_path": "never-read.jsonl", **kwargs}
     with pytest.raises(ValueError, match=name):
-        PreferenceDataModule(tokenizer_dir, "never-read.jsonl", **kwargs)
+        PreferenceDataModule(tokenizer_dir, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ splitting

@@ -113,7 +113,13 @@ class RLHFDataModule(LightningDataModule):
         """Check the hyperparameters (fail at construction, not mid-run) and load the tokenizer."""
         hp = self.hparams
         max_length = hp.get("max_length")
+        def path_or_none(name: str) -> bool:
+            return hp.get(name) is None or (isinstance(hp.get(name), str) and hp.get(name).strip() != "")
+
         checks = [
+            ("train_path", isinstance(hp.train_path, str) and hp.train_path.strip() != "", "a non-empty path or name"),
+            ("val_path", path_or_none("val_path"), "None or a non-empty path or name"),
+            ("test_path", path_or_none("test_path"), "None or a non-empty path or name"),
             ("val_fraction", 0 <= hp.val_fraction < 1, "in [0, 1)"),
             ("max_prompt_length", hp.max_prompt_length >= 1, ">= 1"),
             ("max_length", max_length is None or max_length > hp.max_prompt_length, "> max_prompt_length"),
@@ -124,7 +130,7 @@ class RLHFDataModule(LightningDataModule):
         ]
         for name, ok, requirement in checks:
             if not ok:
-                raise ValueError(f"{type(self).__name__}: {name} must be {requirement}, got {hp[name]!r}")
+                raise ValueError(f"{type(self).__name__}: {name} must be {requirement}, got {hp.get(name)!r}")
         self.tokenizer = load_tokenizer(hp.tokenizer)
         self.collator = self.collator_class(self.tokenizer.pad_token_id)
         self.train_dataset: Dataset | None = None

@@ -48,11 +48,19 @@ def check_text_file(path: str) -> None:
                 continue
             if json_lines:
                 try:
-                    json.loads(text)
+                    value = json.loads(text)
                 except json.JSONDecodeError as err:
                     raise DataFormatError(
                         path, f"line {line_no}: malformed JSON ({err.msg} at column {err.colno}); truncated?", row
                     ) from err
+                if not isinstance(value, dict):
+                    raise DataFormatError(
+                        path, f"line {line_no}: a JSON line must be an object ({{...}}), got {type(value).__name__}", row
+                    )
+                try:  # a lone UTF-16 surrogate escape ("\ud800") parses, but is no text
+                    json.dumps(value, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise DataFormatError(path, f"line {line_no}: a lone surrogate escape in a string ({err.reason})", row) from err
             rows += 1
     if rows == 0:
         raise DataFormatError(path, "the file is empty (no rows)")
