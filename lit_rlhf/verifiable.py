@@ -14,7 +14,10 @@ They also run under TRL's GRPOTrainer with string completions. ``accuracy`` need
 
 from __future__ import annotations
 
+import decimal
 import functools
+import math
+import numbers
 import re
 import threading
 from collections.abc import Sequence
@@ -25,8 +28,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_rlhf import functional as F
 
-# a gold answer already in a LaTeX math environment (else it is read as LaTeX math: wrapped in $...$)
-LATEX_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed\{|\\begin\{")
+# an answer already in a LaTeX math environment (else it is read as LaTeX math: wrapped in $...$). An escaped
+# \$ (a currency sign) is no delimiter, nor a \begin of an environment that needs math mode (pmatrix, cases)
+LATEX_DELIMITED = re.compile(
+    r"(?<!\\)\$|\\\(|\\\[|\\boxed\{|\\begin\{(?:equation|align|gather|multline|displaymath|math)\*?\}"
+)
 
 
 def accuracy(
@@ -79,9 +85,10 @@ def accuracy(
             )
             scores.append(None)
             continue
-        if pattern is not None:
+        if pattern is not None:  # the answer the pattern picks out is read as LaTeX math, like the gold
             matches = list(pattern.finditer(completion))
-            completion = matches[-1].group(1 if pattern.groups else 0) if matches else ""
+            completion = matches[-1].group(1 if pattern.groups else 0).strip() if matches else ""
+            completion = _as_math(completion) if completion else ""
         answer = parse(completion, parsing_timeout=timeout) if completion else []
         scores.append(float(bool(answer) and verify(target, answer, timeout_seconds=timeout)))
     return scores
@@ -92,15 +99,29 @@ def _parse_gold_text(text: str, timeout: int | None) -> tuple | None:
     """math-verify's parse of a gold answer (as LaTeX math), None when it extracts no expression."""
     from math_verify import parse
 
-    latex = text if LATEX_DELIMITED.search(text) else f"${text}$"
-    parsed = parse(latex, fallback_mode="no_fallback", parsing_timeout=timeout)
+    parsed = parse(_as_math(text), fallback_mode="no_fallback", parsing_timeout=timeout)
     return tuple(parsed) or None
 
 
+def _as_math(text: str) -> str:
+    """``text`` in a LaTeX math environment: as it is when it has one, else wrapped in ``$...$``."""
+    return text if LATEX_DELIMITED.search(text) else f"${text}$"
+
+
 def _parse_gold(gold: Any, timeout: int | None) -> list | None:
-    if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip():
+    """The gold answer parsed; None when it is missing or unparseable. Numbers (numpy's too) are written
+    out in full: ``str(0.00001)`` is ``1e-05``, which math-verify reads as e - 5; NaN is a missing value."""
+    if isinstance(gold, bool) or not isinstance(gold, (str, numbers.Real)):
         return None
-    parsed = _parse_gold_text(str(gold).strip(), timeout)
+    if isinstance(gold, numbers.Integral):
+        gold = str(int(gold))
+    elif isinstance(gold, numbers.Real):
+        if not math.isfinite(gold):
+            return None
+        gold = format(decimal.Decimal(repr(float(gold))), "f")
+    if not gold.strip():
+        return None
+    parsed = _parse_gold_text(gold.strip(), timeout)
     return None if parsed is None else list(parsed)
 
 

@@ -559,3 +559,52 @@ def test_an_environment_needs_only_step(tokenizer_dir):
 
     out, *_ = episodes(tok, Plain, engine, ["the movie"])
     assert out.rewards.tolist() == [2.0] and out.turns.tolist() == [1]
+
+
+def test_an_error_in_scoring_the_answer_is_the_environments_not_a_tool_error(tokenizer_dir):
+    class Strict(ToolEnvironment):
+        tools = [multiply]
+
+        def final_reward(self, response):
+            raise ValueError("cannot read the answer")
+
+    env = Strict()
+    with pytest.raises(ValueError, match="cannot read the answer"):  # not answered to the model as a tool error
+        env.step("the answer is 6")
+    bad_call = env.step("<tool_call>{not json}</tool_call>")  # a call that cannot be read still is the model's
+    assert bad_call.tool_error and "error: the tool call is not JSON" in bad_call.observation
+    tok = load_tokenizer(tokenizer_dir)
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [tok.eos_token_id])
+    with pytest.raises(RuntimeError, match=r"environment .*Strict: step of episode 0, turn 1 raised ValueError"):
+        episodes(tok, Strict, engine, ["the movie"])
+
+
+def test_a_result_template_with_other_braces_is_refused_when_built():
+    with pytest.raises(ValueError, match=r"result_template .* cannot be filled .*write literal braces as '\{\{'"):
+        ToolEnvironment(tools=[multiply], result_template='{"result": {result}}')
+    env = ToolEnvironment(tools=[multiply], result_template='{{"result": {result}}}')
+    assert env.step('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>').observation == '{"result": 6}'
+
+
+def test_observations_of_bytes_or_ids_past_the_vocabulary_are_refused(tokenizer_dir):
+    from lit_rlhf.environments import check_step
+
+    with pytest.raises(TypeError, match="the observation must be a string, a list of token ids or None"):
+        check_step((b" = 1776", 0.0, False), "env (episode 0, turn 1)")
+    tok = load_tokenizer(tokenizer_dir)
+    engine = ScriptedEngine(tok, lambda call, row, ctx: [ids_of(tok, " good")[0]])
+
+    class Past(Environment):
+        def step(self, response):
+            return StepResult([5, len(tok) + 3])
+
+    with pytest.raises(ValueError, match=rf"environment .*Past \(episode 0, turn 1\): observation token id {len(tok) + 3} is past the vocabulary"):
+        episodes(tok, Past, engine, ["the movie"])
+
+
+def test_a_tool_call_with_arguments_of_other_types_than_the_schema_is_answered_with_an_error():
+    env = ToolEnvironment(tools=[multiply])
+    wrong = env.step('<tool_call>{"name": "multiply", "arguments": {"a": "3", "b": 4}}</tool_call>')  # "3" * 4 = "3333"
+    assert wrong.tool_error and "multiply: argument 'a' must be of type integer, got '3'" in wrong.observation
+    right = env.step('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    assert not right.tool_error and "12" in right.observation

@@ -137,5 +137,5 @@ def test_sft_rows_past_a_learned_position_table_are_refused(tokenizer_dir, tmp_p
     model = SFTModule(model={"config": {**gpt2_config(), "n_positions": 16}, "tokenizer": tokenizer_dir, "seed": 0}, num_samples=0)
     trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
-    with pytest.raises(ValueError, match=r"^SFTModule: rows of \d+ tokens .* past the 16 the model's learned position table holds"):
+    with pytest.raises(ValueError, match=r"^SFTModule: the batch's longest row .* make \d+ positions, past the 16 the model's learned position table holds"):
         trainer.fit(model, SFTDataModule(tokenizer_dir, str(rows), batch_size=4))

@@ -322,7 +322,7 @@ def test_a_rollout_past_a_learned_position_table_is_refused_naming_its_settings(
     # GPT-2's table of n_positions rows: an index past it fails inside the forward (a device assert on a GPU)
     config = {**gpt2_config(), "n_positions": 12}
     module = tiny_critic_free(tokenizer_dir, config, max_rollouts=1, generation={"max_new_tokens": 16, "num_samples": 4})
-    with pytest.raises(ValueError, match=r"^CriticFreeModule: a prompt .* of \d+ tokens and generation.max_new_tokens=16 make \d+ positions, past the 12"):
+    with pytest.raises(ValueError, match=r"^CriticFreeModule: the longest prompt .* and generation.max_new_tokens=16 make \d+ positions, past the 12"):
         trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
     from conftest import llama_config
 

@@ -54,6 +54,46 @@ def test_answer_pattern_checks_the_last_match_and_a_missing_match_scores_zero():
     assert accuracy(["<answer>0.5</answer>", "0.5 without tags"], answer=["1/2"] * 2) == [0.0, 1.0]
 
 
+TAGS = "<answer>(.*?)</answer>"
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold", "score"),
+    [
+        ("2\\sqrt{2}", "2", 0.0),  # read whole as LaTeX math, not its first number
+        ("3\\pi", "3", 0.0),
+        ("10^{3}", "10", 0.0),
+        ("\\sqrt{2}", "\\sqrt{2}", 1.0),
+        ("\\dfrac{3}{4}", "\\frac{3}{4}", 1.0),
+        ("\\pi", "\\pi", 1.0),
+        ("10^{3}", "1000", 1.0),
+        ("x^2+1", "x^2+1", 1.0),
+        ("1/2", "0.5", 1.0),
+        ("x = 4", "4", 1.0),
+    ],
+)
+def test_the_answer_a_pattern_picks_out_is_read_as_latex_math_like_the_gold(answer, gold, score):
+    assert accuracy([f"so <answer>{answer}</answer>"], answer=[gold], answer_pattern=TAGS) == [score]
+
+
+def test_number_golds_are_written_out_and_nan_is_a_missing_gold():
+    import numpy as np
+
+    # str(0.00001) is 1e-05, which math-verify reads as e - 5
+    assert accuracy(["\\boxed{0.00001}", "\\boxed{e-5}"], answer=[0.00001] * 2) == [1.0, 0.0]
+    assert accuracy(["\\boxed{10000000000000000}", "\\boxed{e+16}"], answer=[1e16] * 2) == [1.0, 0.0]
+    assert accuracy(["\\boxed{3}"], answer=[np.int64(3)]) == [1.0]
+    with pytest.warns(UserWarning, match="cannot parse the gold answer nan"):
+        assert accuracy(["\\boxed{nan}"], answer=[float("nan")]) == [None]  # how pandas stores a missing number
+
+
+def test_currency_and_matrix_golds_are_read_as_math():
+    # an escaped \$ is a currency sign, not a math delimiter; a pmatrix needs math mode around it
+    assert accuracy(["\\boxed{18.90}", "\\boxed{18.9}", "\\boxed{19}"], answer=["\\$18.90"] * 3) == [1.0, 1.0, 0.0]
+    matrix = "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"
+    assert accuracy([f"$${matrix}$$", "\\boxed{2}"], answer=[matrix] * 2) == [1.0, 0.0]
+
+
 def test_accuracy_reads_the_gold_column_it_is_told():
     assert accuracy(["0.5"], solution=["1/2"], gold_column="solution", prompts=["p"]) == [1.0]
     with pytest.raises(ValueError, match=r"column 'answer', which the prompt rows lack .*\['prompts', 'solution'\]"):

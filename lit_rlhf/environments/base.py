@@ -120,7 +120,9 @@ def check_step(value: Any, where: str) -> StepResult:
         )
     observation, reward = value.observation, value.reward
     ok = observation is None or isinstance(observation, str) or (
-        isinstance(observation, Sequence) and all(isinstance(t, numbers.Integral) and t >= 0 for t in observation)
+        isinstance(observation, Sequence)
+        and not isinstance(observation, (bytes, bytearray))  # bytes are text to decode, not token ids
+        and all(isinstance(t, numbers.Integral) and t >= 0 for t in observation)
     )
     if not ok:
         raise TypeError(

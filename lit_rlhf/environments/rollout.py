@@ -254,6 +254,11 @@ def _play_turn(
     obs = result.observation
     obs_ids = torch.tensor(tokenizer(obs, add_special_tokens=False)["input_ids"] if isinstance(obs, str) else list(obs),
                            dtype=torch.long)  # fmt: skip
+    if obs_ids.numel() and int(obs_ids.max()) >= len(tokenizer):
+        raise ValueError(
+            f"environment {type(env).__qualname__} ({where}): observation token id {int(obs_ids.max())} is past the "
+            f"vocabulary ({len(tokenizer)} tokens)"
+        )
     room = budget - episode.length
     if obs_ids.numel() > 0:
         episode.append(obs_ids[:room], False)

@@ -27,6 +27,17 @@ class ToolCallError(ValueError):
     """The model's tool call cannot be run (malformed, unknown tool, bad arguments)."""
 
 
+# a JSON-schema type (as transformers' get_json_schema describes a tool's typed arguments) -> a value's check
+JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
 class ToolEnvironment(Environment):
     """Calls the model's tools turn by turn; a turn without a tool call is the final answer (done).
 
@@ -65,6 +76,7 @@ class ToolEnvironment(Environment):
             for i, t in enumerate(type(self).tools if tools is None else tools)
         ]
         self.tool_map: dict[str, Callable] = {}
+        self.parameters: dict[str, dict[str, Any]] = {}  # each tool's JSON-schema properties
         for fn in functions:
             if not callable(fn):
                 raise TypeError(f"{type(self).__name__}: a tool must be a function, got {fn!r:.100}")
@@ -73,11 +85,19 @@ class ToolEnvironment(Environment):
             except Exception as err:  # transformers' DocstringParsingException / TypeHintParsingException
                 raise TypeError(f"{type(self).__name__}: tool {fn.__name__!r} cannot be described to the model: {err}") from err
             self.tool_map[schema["function"]["name"]] = fn
+            self.parameters[schema["function"]["name"]] = schema["function"].get("parameters", {}).get("properties", {})
         self.tools = functions
         if result_template is not None:
             self.result_template = result_template
         if "{result}" not in self.result_template:
             raise ValueError(f"{type(self).__name__}: result_template must contain '{{result}}'")
+        try:  # other braces must be doubled ({{ and }}): str.format reads them as fields
+            self.result_template.format(result="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"{type(self).__name__}: result_template {self.result_template!r} cannot be filled ({type(err).__name__}: "
+                f"{err}); write literal braces as '{{{{' and '}}}}'"
+            ) from err
 
     def parse_call(self, response: str) -> tuple[str, dict[str, Any]] | None:
         """The (tool name, arguments) of the first tool call in ``response``; None: no call (the final
@@ -108,6 +128,14 @@ class ToolEnvironment(Environment):
         fn = self.tool_map.get(name)
         if fn is None:
             raise ToolCallError(f"unknown tool {name!r} (tools: {sorted(self.tool_map)})")
+        for key, value in arguments.items():  # the types the model was shown (a "3" for an int would run as text)
+            schema = self.parameters.get(name, {}).get(key, {})
+            expected = schema.get("type")
+            types = [expected] if isinstance(expected, str) else list(expected or [])
+            if value is None and schema.get("nullable") or not all(t in JSON_TYPES for t in types) or not types:
+                continue  # a type not checked here (or none given) is the tool's to refuse
+            if not any(JSON_TYPES[t](value) for t in types):
+                raise ToolCallError(f"{name}: argument {key!r} must be of type {' or '.join(types)}, got {value!r:.50}")
         try:
             return fn(**arguments)
         except TypeError as err:
@@ -116,8 +144,11 @@ class ToolEnvironment(Environment):
     def step(self, response: str) -> StepResult:
         try:
             call = self.parse_call(response)
-            if call is None:
-                return StepResult(None, reward=self.final_reward(response), done=True)
+        except Exception as err:  # a call that cannot be read is the model's to see, not the run's
+            return StepResult(self.format_result(f"error: {err}"), tool_call=True, tool_error=True)
+        if call is None:  # the answer: an error in scoring it is the environment's own, and ends the fit
+            return StepResult(None, reward=self.final_reward(response), done=True)
+        try:
             result = self.call(*call)
         except Exception as err:  # the tool's own failure is the model's to see, not the run's
             return StepResult(self.format_result(f"error: {err}"), tool_call=True, tool_error=True)

@@ -92,14 +92,15 @@ def learned_position_limit(model: nn.Module) -> int | None:
     return None
 
 
-def check_positions(model: nn.Module, length: int, owner: str, what: str) -> None:
+def check_positions(model: nn.Module, length: int | torch.Tensor, owner: str, what: str) -> None:
     """Refuse a forward of ``length`` positions past ``model``'s learned position table (built models
-    record it), naming ``what`` made them (``owner`` starts the message)."""
+    record it), naming ``what`` made them (``owner`` starts the message). A tensor ``length`` is read (a
+    host sync) only for a model that has such a table."""
     limit = getattr(model, "_lit_rlhf_position_limit", None)
-    if limit is not None and length > limit:
+    if limit is not None and int(length) > limit:
         raise ValueError(
-            f"{owner}: {what} make {length} positions, past the {limit} the model's learned position table "
-            f"holds (its config's n_positions / max_position_embeddings)"
+            f"{owner}: {what} make {int(length)} positions, past the {limit} the model's "
+            f"learned position table holds (its config's n_positions / max_position_embeddings)"
         )
 
 

@@ -94,9 +94,10 @@ class OnlineGeneration(LightningModule):
         """One response per (B, P) prompt row from the engine, sampled with ``settings`` (default
         ``generation``) or greedy; the rows are ``expand_prompts``'s, in groups of ``settings.num_samples``."""
         settings = with_model_stops(settings or self.generation, self.actor, self.tokenizer)
-        longest = int(prompt_mask.sum(dim=1).max()) if prompt_mask.numel() else 0
-        what = f"a prompt (or episode context) of {longest} tokens and generation.max_new_tokens={settings.max_new_tokens}"
-        check_positions(self.actor, longest + settings.max_new_tokens, type(self).__name__, what)
+        if prompt_mask.numel():
+            T = settings.max_new_tokens
+            what = f"the longest prompt (or episode context) and generation.max_new_tokens={T}"
+            check_positions(self.actor, prompt_mask.sum(dim=1).max() + T, type(self).__name__, what)
         engine = self.rollout_engine()
         with self.trainer.profiler.profile("rollout/generate"):
             if not engine.uses_policy:

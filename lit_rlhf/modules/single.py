@@ -74,8 +74,9 @@ class SingleModelModule(LightningModule):
     def micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[torch.Tensor | slice, slice]]:
         """(rows, columns) of the forwards over an (N, L) batch: length-bucketed and trimmed under
         ``bucketing`` where that saves compute, else the whole batch (see :mod:`lit_rlhf.batching`)."""
-        longest = int(attention_mask.sum(dim=1).max()) if attention_mask.numel() else 0
-        check_positions(self.model, longest, type(self).__name__, f"rows of {longest} tokens (the data's max_length)")
+        if attention_mask.numel():
+            longest = attention_mask.sum(dim=1).max()
+            check_positions(self.model, longest, type(self).__name__, "the batch's longest row (the data's max_length)")
         return sequence_micro_batches(attention_mask, self.bucketing.resolved(self.model))
 
     def per_row(
