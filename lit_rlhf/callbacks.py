@@ -128,6 +128,9 @@ class HFExport(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.fast_dev_run:  # a dev run writes no artifacts (Lightning's rule): a real fit is not blocked
+            rank_zero_info("HFExport: fast_dev_run, nothing exported")
+            return
         export = getattr(pl_module, "export_pretrained", None)
         if export is None:
             raise TypeError(f"{type(pl_module).__name__} has no export_pretrained(folder) method")

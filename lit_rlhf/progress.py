@@ -204,6 +204,8 @@ def default_callbacks(module: LightningModule, trainer_config: dict[str, Any]) -
     given = trainer_config.get("callbacks") or []
     given = given if isinstance(given, list) else [given]
     extra: list[Callback] = []
+    if trainer_config.get("barebones"):  # Lightning refuses a progress bar or a model summary there
+        return extra
     if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
         extra.append(RolloutProgressBar() if hasattr(module, "rollouts_done") else LitProgressBar())
     if trainer_config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):

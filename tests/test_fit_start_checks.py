@@ -139,3 +139,22 @@ def test_sft_rows_past_a_learned_position_table_are_refused(tokenizer_dir, tmp_p
                       enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"^SFTModule: the batch's longest row .* make \d+ positions, past the 16 the model's learned position table holds"):
         trainer.fit(model, SFTDataModule(tokenizer_dir, str(rows), batch_size=4))
+
+
+def test_a_fast_dev_run_exports_nothing_and_barebones_gets_no_progress_callbacks(tokenizer_dir, tmp_path):
+    from conftest import gpt2_config
+
+    from lit_rlhf.modules import SFTModule
+    from lit_rlhf.progress import default_callbacks
+
+    model = SFTModule(model={"config": gpt2_config(), "tokenizer": tokenizer_dir, "seed": 0}, num_samples=0)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "the food", "completion": " was good"}\n' * 4)
+    from lit_rlhf.data import SFTDataModule
+
+    trainer = Trainer(default_root_dir=tmp_path, fast_dev_run=True, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[HFExport(str(tmp_path / "export"))])  # fmt: skip
+    trainer.fit(model, SFTDataModule(tokenizer_dir, str(rows), batch_size=2))
+    assert not (tmp_path / "export").exists(), "a dev run writes no artifacts, so it blocks no real fit"
+    assert default_callbacks(model, {"barebones": True}) == []  # Lightning refuses a bar or summary there
+    assert len(default_callbacks(model, {})) == 2
