@@ -40,6 +40,8 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
@@ -48,6 +50,7 @@ from lit_rlhf.cli_errors import (
     fail,
     fail_on_project_error,
     in_setup_hook,
+    lightning_misconfiguration_message,
     moved_keys_message,
     nested_field_message,
 )
@@ -303,7 +306,16 @@ class LitRLHFCLI(LightningCLI):
         except Exception as err:
             if in_setup_hook(err):
                 fail_on_project_error(err)
+            started = self.trainer.fit_loop.epoch_loop.batch_progress.total.started
+            if isinstance(err, MisconfigurationException) and not started and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+                fail(lightning_misconfiguration_message(str(err)), debug_hint=True)  # a Trainer setting, before training
             raise
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """LightningCLI's subcommands but ``predict``: no module here has a prediction step."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
 
 def run_cli(args: list[str] | None = None) -> LitRLHFCLI:

@@ -189,3 +189,14 @@ def nested_field_message(message: str) -> str | None:
     else:
         return None
     return f"{path}: {problem}"
+
+
+def lightning_misconfiguration_message(message: str) -> str:
+    """Lightning's refusal of a Trainer setting, as one line, with where the online modules have it."""
+    line = " ".join(message.split())
+    if "manual optimization" in line:
+        line += (
+            " (the online modules optimise manually: they clip with update.max_grad_norm, and each minibatch's "
+            "step accumulates micro-batches of scoring.forward_batch_size rows)"
+        )
+    return line

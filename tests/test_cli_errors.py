@@ -193,3 +193,14 @@ def test_null_fields_become_the_json_form_of_their_group():
         "--model.init_args.max_rollouts", "null", "--trainer.max_steps", "null",
         "--model.init_args.update.is_correction", '{"cap": null}',
     ]  # fmt: skip
+
+
+def test_a_trainer_setting_lightning_refuses_before_training_is_one_error_line_and_predict_is_no_subcommand(workdir):
+    actor = '{"name_or_path": null, "config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2}, "tokenizer": "data/tiny/tokenizer"}'
+    proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"), "--model.init_args.actor", actor,
+                    "--model.init_args.reward_model", "null", "--model.init_args.reward_fn",
+                    "lit_rlhf.verifiable:format_reward", "--trainer.gradient_clip_val", "1.0")  # fmt: skip
+    line = error_line(proc, max_lines=None)
+    assert "gradient clipping is not supported for manual optimization" in line and "update.max_grad_norm" in line
+    proc = lit_rlhf(workdir, "predict", "--config", str(ROOT / "configs/sft_tiny.yaml"))
+    assert proc.returncode == 2 and "invalid choice: 'predict'" in proc.stderr
