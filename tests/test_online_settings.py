@@ -346,3 +346,14 @@ def test_more_minibatches_than_a_rollout_holds_is_refused_when_the_fit_sets_up(t
     with pytest.raises(ValueError, match=rf"update.num_minibatches=\d is more than a rollout's {message} \(the data's batch_size 2"):
         trainer(tmp_path).fit(module, data)
     assert module.rollouts_done == 0
+
+
+def test_fp16_mixed_precision_with_a_gradient_scaler_is_refused_when_the_fit_sets_up(tokenizer_dir, tmp_path):
+    # manual optimisation clips and screens the gradients before the scaler unscales them inside step
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=1)
+    fit = trainer(tmp_path, plugins=[MixedPrecision("16-mixed", "cpu")])
+    with pytest.raises(ValueError, match=r"precision 16-mixed \(fp16 with a gradient scaler\) is not supported .* use bf16-mixed"):
+        fit.fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    assert module.rollouts_done == 0

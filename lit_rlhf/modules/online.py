@@ -367,6 +367,7 @@ class OnlineRLModule(
     def setup(self, stage: str) -> None:
         check_data_tokenizer(self, self.tokenizer_source)
         if stage == "fit":
+            self.check_precision_fit()
             self.check_minibatches_fit()
 
     # -- sharding and the engine's lifecycle ------------------------------------------------------------

@@ -34,6 +34,17 @@ class OnlineUpdate(LightningModule):
     # the update's minibatches hold whole prompts (all K responses of each), not rows (online DPO's pairs)
     minibatches_of_prompts: ClassVar[bool] = False
 
+    def check_precision_fit(self) -> None:
+        """Refuse fp16 mixed precision with a gradient scaler (``16-mixed`` on a GPU): in manual optimisation the
+        gradients are clipped and screened while still scaled (the scaler unscales inside ``step``), so every
+        update would shrink by the scale. ``bf16-mixed`` needs no scaler."""
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: precision 16-mixed (fp16 with a gradient scaler) is not supported by the "
+                "online modules' manual optimisation, which clips the gradients before the scaler would unscale them; "
+                "use bf16-mixed (or 32-true)"
+            )
+
     def check_minibatches_fit(self) -> None:
         """Refuse, when the fit sets up, ``update.num_minibatches`` above what a rollout of the data module's
         ``batch_size`` prompts can be split into (the replay buffer would refuse it after the first rollout)."""
