@@ -159,6 +159,7 @@ class RewardSource(torch.nn.Module):
         if isinstance(reward_model, RewardEnsemble):
             model_tokenizer = self.build_ensemble(reward_model)
         elif reward_model is not None:
+            check_trained_head(reward_model, argument_of(reward_model, "reward_model"))
             model_tokenizer = load_tokenizer(reward_model.tokenizer or reward_model.name_or_path)
             self.model = frozen_copy(build_score_model(reward_model, model_tokenizer))
             self.model_spec = reward_model
@@ -169,6 +170,8 @@ class RewardSource(torch.nn.Module):
         """Build the ensemble's frozen members (``members``); returns their (one) tokenizer."""
         self.ensemble = ensemble.resolve()
         members = self.ensemble.members
+        for k, member in enumerate(members):
+            check_trained_head(member, f"reward_model ensemble member {k}")
         tokenizers = [load_tokenizer(m.tokenizer_name_or_path) for m in members]
         check_member_tokenizers(tokenizers, members)
         self.members = torch.nn.ModuleList(
@@ -305,3 +308,28 @@ def _ends_with_special(ids: torch.Tensor, mask: torch.Tensor, special: list[int]
     tokens = ids.gather(1, last[:, None]).squeeze(1)  # (B,)
     is_special = torch.isin(tokens, torch.tensor(special, dtype=ids.dtype, device=ids.device))
     return (is_special & mask.any(dim=1)).tolist()
+
+
+def argument_of(spec: ModelSpec, name: str) -> str:
+    return f"{name} {spec.name_or_path!r}" if spec.name_or_path else name
+
+
+def check_trained_head(spec: ModelSpec, where: str) -> None:
+    """Refuse a frozen reward model loaded from a folder or hub id whose model is no sequence classifier (e.g.
+    an SFT export): its score head would be new and random, so every reward would be noise. (A critic may
+    start so; an inline ``config`` is random by choice.)"""
+    if spec.name_or_path is None:
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec.name_or_path, trust_remote_code=spec.trust_remote_code)
+    except Exception:  # unreadable here: loading the model names the problem
+        return
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and not any(a.endswith(("ForSequenceClassification", "RewardModel")) for a in architectures):
+        raise ValueError(
+            f"{where} is a {', '.join(architectures)}, not a reward model: its score head would be new and random "
+            "(every reward noise). Train one (RewardModelModule, configs/rm_tiny.yaml) or give an "
+            "AutoModelForSequenceClassification checkpoint"
+        )

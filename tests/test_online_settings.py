@@ -357,3 +357,16 @@ def test_fp16_mixed_precision_with_a_gradient_scaler_is_refused_when_the_fit_set
     with pytest.raises(ValueError, match=r"precision 16-mixed \(fp16 with a gradient scaler\) is not supported .* use bf16-mixed"):
         fit.fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
     assert module.rollouts_done == 0
+
+
+def test_a_causal_lm_checkpoint_as_the_reward_model_is_refused(tokenizer_dir, tmp_path):
+    # its score head would be new and random: every reward noise (a critic may start so)
+    from ppo_helpers import tiny_ppo
+
+    from lit_rlhf.models import ModelSpec, build_causal_lm, export_pretrained, load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    export_pretrained(build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir), tokenizer), tokenizer, tmp_path / "sft")
+    with pytest.raises(ValueError, match=r"reward_model '.*sft' is a GPT2LMHeadModel, not a reward model"):
+        tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=None, reward_model={"name_or_path": str(tmp_path / "sft")})
+    assert tiny_ppo(tokenizer_dir, gpt2_config(), critic={"name_or_path": str(tmp_path / "sft")}).critic is not None
