@@ -198,10 +198,11 @@ class SigtermCheckpoint(Callback):
     while another waits in the next step's collectives hangs the job. Lightning's handler is not safe there:
     it runs a ``broadcast`` inside the signal handler, which pairs with whatever collective the other ranks
     are in (or hangs when only one rank got the signal, e.g. ``kill`` of one worker), and each rank then stops
-    on its own flag. From ``on_train_start`` this callback replaces it (in multi-process fits only) by one
-    that just notes the signal; at the end of every training batch (and validation run) the ranks reduce the
-    notes with a max, and all of them set ``trainer.received_sigterm`` together, so Lightning stops them at
-    the same boundary. A SIGTERM to one rank, or to ``torchrun`` (which forwards it to every worker),
+    on its own flag. From ``on_train_start`` this callback replaces it by one that just notes the signal; at
+    the end of every training batch (and validation run) the ranks reduce the notes with a max, and all of
+    them set ``trainer.received_sigterm`` together, so Lightning stops them at the same boundary. With
+    ``accumulate_grad_batches`` that boundary is a batch where the optimiser stepped, also in one process: a
+    checkpoint holds no gradients, so a stop in the middle of an accumulation could not resume exactly. A SIGTERM to one rank, or to ``torchrun`` (which forwards it to every worker),
     therefore stops every rank after the same step with status 143, and the checkpoint is written once.
 
     The file is ``last-sigterm.ckpt`` in the first ``ModelCheckpoint``'s folder (``ckpt_path="last"`` picks
@@ -217,14 +218,12 @@ class SigtermCheckpoint(Callback):
             raise ValueError("SigtermCheckpoint: filename must not be empty")
         self.dirpath = dirpath
         self.filename = filename
-        self._requested = False  # a SIGTERM reached this rank (multi-process fits, see the class notes)
+        self._requested = False  # a SIGTERM reached this rank (see the class notes)
         self._synced = False  # this callback's handler replaces Lightning's in this fit
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._requested, self._synced = False, False
-        if trainer.world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
         # Lightning registered its SIGTERM handlers before the training loop (a composition of handlers, in
         # the main thread only): swap its notifier, which runs a collective, for one that only notes it.
         notifier = trainer._signal_connector._sigterm_notifier_fn
@@ -241,17 +240,28 @@ class SigtermCheckpoint(Callback):
             handlers[handlers.index(notifier)] = note
             self._synced = True
 
-    def _stop_together(self, trainer: Trainer) -> None:
-        """Collective: whether a SIGTERM reached any rank; if so every rank sets ``received_sigterm`` here."""
+    def _stop_together(self, trainer: Trainer, at_batch_end: bool = False) -> None:
+        """Collective: whether a SIGTERM reached any rank; if so every rank sets ``received_sigterm`` here, at the
+        end of a batch where the optimiser stepped (with ``accumulate_grad_batches``, not in the middle of an
+        accumulation: a checkpoint holds no gradients) or of a validation run."""
         if not self._synced:
             return
-        flag = torch.tensor([float(self._requested)], device=trainer.strategy.root_device)
-        if trainer.strategy.reduce(flag, reduce_op="max").item() > 0:
+        requested = self._requested
+        if self._distributed(trainer):
+            flag = torch.tensor([float(requested)], device=trainer.strategy.root_device)
+            requested = trainer.strategy.reduce(flag, reduce_op="max").item() > 0
+        loop = trainer.fit_loop.epoch_loop
+        stepped = not at_batch_end or loop._accumulated_batches_reached() or loop._num_ready_batches_reached()
+        if requested and stepped:
             trainer._signal_connector.received_sigterm = True
+
+    @staticmethod
+    def _distributed(trainer: Trainer) -> bool:
+        return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._stop_together(trainer)
+        self._stop_together(trainer, at_batch_end=True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

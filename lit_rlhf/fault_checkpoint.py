@@ -140,6 +140,14 @@ class FaultCheckpoint(Callback):
                 f"the fault came after an optimiser step of step {trainer.global_step} (a half-updated model);"
                 " resume from the last regular checkpoint"
             )
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+        finished = trainer.fit_loop.epoch_loop.batch_progress.current.completed if accumulate > 1 else 0
+        if finished % accumulate:
+            return (
+                f"the fault came while gradients were accumulated (accumulate_grad_batches={accumulate}, "
+                f"{finished % accumulate} batch(es) in): a checkpoint holds no gradients, so a resume would "
+                "lose them; resume from the last regular checkpoint"
+            )
         return None
 
     @override

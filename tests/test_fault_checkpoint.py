@@ -151,3 +151,69 @@ def test_step_start_state_is_a_copy_of_the_module_entries_and_metric_states():
     module.accuracy.update(torch.tensor([1.0]), torch.tensor([1]))
     assert state["entries"] == {"extra": {"counter": [1]}}
     assert state["metrics"]["accuracy.tp"] == 1 and state["metrics"]["accuracy.fn"] == 1
+
+
+# -- gradient accumulation: a checkpoint holds no gradients ----------------------------------------------
+def _accumulating_sft(tokenizer_dir, tmp_path, callbacks=(), ckpt_path=None):
+    import json
+
+    from conftest import gpt2_config
+    from lightning.pytorch import Trainer
+
+    from lit_rlhf.callbacks import SigtermCheckpoint
+    from lit_rlhf.data import SFTDataModule
+    from lit_rlhf.modules import SFTModule
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"the food {i}", "completion": " was good"}) + "\n" for i in range(16)))
+    config = {**gpt2_config(), "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    module = SFTModule(model={"config": config, "tokenizer": tokenizer_dir, "seed": 0}, num_samples=0)
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=4, accumulate_grad_batches=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[SigtermCheckpoint(str(tmp_path / "ck")), *callbacks])  # fmt: skip
+    trainer.fit(module, SFTDataModule(tokenizer_dir, str(rows), batch_size=2, seed=0, val_fraction=0.0), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+class SigtermAt:
+    """A SIGTERM to this process at the end of training batch ``batch`` (0-based)."""
+
+    def __new__(cls, batch: int):
+        import os
+        import signal
+
+        from lightning.pytorch import Callback
+
+        class _SigtermAt(Callback):
+            def on_train_batch_end(self, trainer, module, outputs, data, batch_idx):
+                if batch_idx == batch:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        return _SigtermAt()
+
+
+def test_a_sigterm_in_the_middle_of_an_accumulation_stops_where_the_optimiser_stepped(tokenizer_dir, tmp_path):
+    full, _ = _accumulating_sft(tokenizer_dir, tmp_path / "full")
+    with pytest.raises(SystemExit) as stop:  # batch 2 of 4 x 2: half of step 2's accumulation
+        _accumulating_sft(tokenizer_dir, tmp_path / "part", callbacks=[SigtermAt(2)])
+    assert stop.value.code == 143
+    checkpoint = tmp_path / "part" / "ck" / "last-sigterm.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 2, "after batch 3, where the optimiser stepped"
+    resumed, _ = _accumulating_sft(tokenizer_dir, tmp_path / "resumed", ckpt_path=str(checkpoint))
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_fault_in_the_middle_of_an_accumulation_saves_nothing_and_says_why(tokenizer_dir, tmp_path):
+    from lightning.pytorch import Callback
+
+    class RaiseAt(Callback):
+        def on_train_batch_start(self, trainer, module, data, batch_idx):
+            if batch_idx == 3:  # batches 0-2 finished: the second accumulation is half done
+                raise RuntimeError("RaiseAt")
+
+    with pytest.warns(UserWarning, match=r"nothing saved: the fault came while gradients were accumulated \(accumulate_grad_batches=2, 1 batch"):
+        with pytest.raises(RuntimeError, match="RaiseAt"):
+            _accumulating_sft(tokenizer_dir, tmp_path, callbacks=[FaultCheckpoint(str(tmp_path / "ck")), RaiseAt()])
+    assert not (tmp_path / "ck" / "last-fault.ckpt").exists()
