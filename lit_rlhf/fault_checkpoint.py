@@ -169,9 +169,10 @@ class FaultCheckpoint(Callback):
         finally:
             self._remove_hooks()
         batches = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        unit = "rollout" if hasattr(pl_module, "rollouts_done") else "training batch"  # an online module's batch
         rank_zero_info(
-            f"FaultCheckpoint: {type(exception).__name__} in the fit; saved {path}, the state after training"
-            f" batch {batches} (for an online module, rollout {batches}). Resume with --ckpt_path last (or {path})"
+            f"FaultCheckpoint: {type(exception).__name__} in the fit; saved {path}, the state after {unit}"
+            f" {batches}. Resume with --ckpt_path last (or {path})"
         )
 
     def _save(self, trainer: Trainer, path: str) -> None:

@@ -62,7 +62,7 @@ def test_a_fault_keeps_the_finished_rollouts_and_the_resumed_fit_is_the_uninterr
     assert proc.returncode == 1 and "RuntimeError: RaiseAt" in out, out[-3000:]
     saved = tmp_path / CHECKPOINTS / "last-fault.ckpt"
     done = batch if hook == "on_validation_batch_start" else batch - 1
-    assert f"FaultCheckpoint: RuntimeError in the fit; saved {saved}, the state after training batch {done}" in out
+    assert f"FaultCheckpoint: RuntimeError in the fit; saved {saved}, the state after rollout {done}" in out
     assert torch.load(saved, weights_only=True)["online_state"]["rollouts_done"] == done
     assert not (tmp_path / "runs/grpo_tiny/export").exists(), "a failed fit exports nothing"
 
