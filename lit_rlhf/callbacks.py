@@ -202,8 +202,9 @@ class SigtermCheckpoint(Callback):
     the end of every training batch (and validation run) the ranks reduce the notes with a max, and all of
     them set ``trainer.received_sigterm`` together, so Lightning stops them at the same boundary. With
     ``accumulate_grad_batches`` that boundary is a batch where the optimiser stepped, also in one process: a
-    checkpoint holds no gradients, so a stop in the middle of an accumulation could not resume exactly. A SIGTERM to one rank, or to ``torchrun`` (which forwards it to every worker),
-    therefore stops every rank after the same step with status 143, and the checkpoint is written once.
+    checkpoint holds no gradients, so a stop in the middle of an accumulation could not resume exactly. A
+    SIGTERM to one rank, or to ``torchrun`` (which forwards it to every worker), therefore stops every rank
+    after the same step with status 143, and the checkpoint is written once.
 
     The file is ``last-sigterm.ckpt`` in the first ``ModelCheckpoint``'s folder (``ckpt_path="last"`` picks
     the newest ``last*.ckpt`` there), else in ``default_root_dir/checkpoints``; ``dirpath`` overrides it.

@@ -307,8 +307,9 @@ class LitRLHFCLI(LightningCLI):
             if in_setup_hook(err):
                 fail_on_project_error(err)
             started = self.trainer.fit_loop.epoch_loop.batch_progress.total.started
-            if isinstance(err, MisconfigurationException) and not started and os.environ.get(DEBUG_ENV, "") in ("", "0"):
-                fail(lightning_misconfiguration_message(str(err)), debug_hint=True)  # a Trainer setting, before training
+            debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+            if isinstance(err, MisconfigurationException) and not started and not debug:  # a Trainer setting
+                fail(lightning_misconfiguration_message(str(err)), debug_hint=True)
             raise
 
     @staticmethod

@@ -176,7 +176,8 @@ def nested_field_message(message: str) -> str | None:
     path = ".".join(key for _, key in found)
     path = path.replace("model.", "model.init_args.", 1).replace("data.", "data.init_args.", 1)
     expected = [m.group(1) for line in problems if (m := re.match(r"Expected a <class '([\w.]+)'>", line))]
-    choice = next((m for line in problems if (m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$", line))), None)
+    literal = r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$"
+    choice = next((m for line in problems if (m := re.match(literal, line))), None)
     if choice:  # the wording of the settings groups' own checks
         return f"{path} must be one of [{choice.group(1)}], got {choice.group(2)!r}"
     if expected:
