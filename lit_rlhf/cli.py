@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from typing import Any, NoReturn
 
@@ -310,6 +311,9 @@ class LitRLHFCLI(LightningCLI):
             debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
             if isinstance(err, MisconfigurationException) and not started and not debug:  # a Trainer setting
                 fail(lightning_misconfiguration_message(str(err)), debug_hint=True)
+            in_ckpt_path = any(f.name == "_parse_ckpt_path" for f in traceback.extract_tb(err.__traceback__))
+            if isinstance(err, ValueError) and in_ckpt_path and not debug:  # --ckpt_path best / hpc unresolved
+                fail(f"--ckpt_path: {' '.join(str(err).split())}", debug_hint=True)
             raise
 
     @staticmethod

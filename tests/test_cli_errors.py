@@ -204,3 +204,9 @@ def test_a_trainer_setting_lightning_refuses_before_training_is_one_error_line_a
     assert "gradient clipping is not supported for manual optimization" in line and "update.max_grad_norm" in line
     proc = lit_rlhf(workdir, "predict", "--config", str(ROOT / "configs/sft_tiny.yaml"))
     assert proc.returncode == 2 and "invalid choice: 'predict'" in proc.stderr
+
+
+def test_a_ckpt_path_lightning_cannot_resolve_is_one_error_line(workdir):
+    proc = lit_rlhf(workdir, "validate", "--config", str(ROOT / "configs/sft_tiny.yaml"), "--ckpt_path", "best")
+    line = error_line(proc, max_lines=None)
+    assert line.startswith("error: --ckpt_path: ") and 'ckpt_path="best"' in line
