@@ -137,9 +137,10 @@ def null_fields_as_json(args: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(args):
         arg = args[i]
-        flag, value, step = (arg.split("=", 1) + [None])[:2] + [1] if "=" in arg else [arg, None, 2]
-        if value is None and i + 1 < len(args):
-            value = args[i + 1]
+        if "=" in arg:
+            (flag, value), step = arg.split("=", 1), 1
+        else:
+            flag, value, step = arg, args[i + 1] if i + 1 < len(args) else None, 2
         prefix = next((p for p in ("--model.init_args.", "--model.") if flag.startswith(p)), None)
         path = flag[len(prefix) :].split(".") if prefix else []
         if len(path) >= 2 and value == "null" and path[0] != "init_args":

@@ -66,7 +66,8 @@ def tokenizer_difference(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase)
         return f"another vocabulary ({len(a)} against {len(b)} tokens)"
     for role in ("eos_token_id", "pad_token_id"):
         if getattr(a, role) != getattr(b, role):
-            return f"another {role.removesuffix('_id').replace('_', ' ')} ({getattr(a, role)} against {getattr(b, role)})"
+            name = role.removesuffix("_id").replace("_", " ")
+            return f"another {name} ({getattr(a, role)} against {getattr(b, role)})"
     return None
 
 
@@ -96,11 +97,12 @@ def check_shared_tokenizer(
         other = load_tokenizer(own, trust_remote_code=trust_remote_code)
     except OSError:
         return  # a model folder without tokenizer files
-    if tokenizer_difference(other, tokenizer) is not None:
+    difference = tokenizer_difference(other, tokenizer)
+    if difference is not None:
         raise ValueError(
-            f"{owner + ': ' if owner else ''}{role}: its tokenizer ({own!r}, {len(other)} tokens) is not the actor's ({source!r}, "
-            f"{len(tokenizer)} tokens): the {role} reads the actor's token ids, so it must share its vocabulary "
-            f"(give the {role} a model trained with the actor's tokenizer)"
+            f"{owner + ': ' if owner else ''}{role}: its tokenizer ({own!r}, {len(other)} tokens) is not the "
+            f"actor's ({source!r}, {len(tokenizer)} tokens): {difference}; the {role} reads the actor's token ids, "
+            "so give it a model trained with the actor's tokenizer"
         )
 
 
