@@ -102,7 +102,8 @@ def load_source(path: str, split: str = "train", cache_dir: str | None = None) -
     """Load ``path`` as one ``Dataset``.
 
     ``path`` is, in this order: a folder written by ``save_to_disk`` (``load_from_disk``; ``split`` picks
-    a split of a saved ``DatasetDict``, or slices a saved ``Dataset`` as a local file's one split); a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file (its
+    a split of a saved ``DatasetDict``, or slices a saved ``Dataset`` as a local file's one split); a local
+    ``.json``/``.jsonl``/``.parquet``/``.csv`` file (its
     one split is ``"train"``: all rows; a ``datasets`` slice of it such as ``"train[:1200]"`` keeps those
     rows); otherwise a hub dataset name or a folder of data files
     (``load_dataset(path, split=split)``). Any failure is a :class:`DataFormatError` naming ``path``.
