@@ -236,8 +236,9 @@ def test_tokenize_rendered_appends_eos_once(tokenizer):
         # a template that writes a newline after the closing EOS: the newline goes, EOS stays single
         Rendered("<|endoftext|>the", ("good<|endoftext|>\n", " bad\n"), templated=True),
     ]
-    prompts, responses = tokenize_rendered(tokenizer, rows)
+    prompts, responses, masks = tokenize_rendered(tokenizer, rows)
     assert prompts == [ids("the food"), ids("<|endoftext|>the")]
+    assert masks == [[[], []], [[], []]]  # no trained spans: every response token is trained
     assert responses[0] == [[*ids(" good"), eos], [*ids(" bad"), eos]]
     assert responses[1] == [[*ids("good"), eos], [*ids(" bad\n"), eos]]
-    assert tokenize_rendered(tokenizer, [Rendered("p", (), False)]) == ([ids("p")], [[]])
+    assert tokenize_rendered(tokenizer, [Rendered("p", (), False)]) == ([ids("p")], [[]], [[]])

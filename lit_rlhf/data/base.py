@@ -47,13 +47,16 @@ def encode_batch(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     max_length: int | None,
+    loss_masks: bool = False,
 ) -> dict[str, list]:
     """Batched ``Dataset.map`` function: validate, render, tokenise and clip rows.
 
     Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns,
     ``over_length`` (whether the limits cut the row; the length policy reads it) and, with two or more
     slots, ``identical`` (whether the clipped responses are all equal: a pair whose texts differ only past
-    ``max_length`` teaches nothing, its loss gradient is zero; the length policy drops it).
+    ``max_length`` teaches nothing, its loss gradient is zero; the length policy drops it); with
+    ``loss_masks``, ``<slot>_loss_mask`` per response slot (1 on the tokens trained, empty when all are: see
+    :func:`~lit_rlhf.data.render.tokenize_rendered`).
     """
     indices = batch.pop(FILE_ROW_COLUMN, indices)  # a slice of a local file: the rows' numbers in the file
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -61,22 +64,25 @@ def encode_batch(
     rendered = []
     for (prompt, row_responses, _), i in zip(parsed, indices):
         try:
-            rendered.append(render(tokenizer, prompt, row_responses))
+            rendered.append(render(tokenizer, prompt, row_responses, spans=loss_masks))
         except Exception as err:  # a template's own checks (e.g. "roles must alternate") raise anything
             raise DataFormatError(source, f"the tokenizer's chat template failed: {err}", row=i) from err
-    prompts, responses = tokenize_rendered(tokenizer, rendered)
+    prompts, responses, masks = tokenize_rendered(tokenizer, rendered)
     out: dict[str, list] = {
         "prompt_input_ids": [],
         "over_length": [],
         **{f"{s}_input_ids": [] for s in slots},
+        **({f"{s}_loss_mask": [] for s in slots} if loss_masks else {}),
         **({"identical": []} if len(slots) > 1 else {}),
     }
-    for (_, _, extras), prompt, row_responses in zip(parsed, prompts, responses):
+    for (_, _, extras), prompt, row_responses, row_masks in zip(parsed, prompts, responses, masks):
         prompt, row_responses, over = clip_lengths(prompt, row_responses, max_prompt_length, max_length)
         out["prompt_input_ids"].append(prompt)
         out["over_length"].append(over)
-        for slot, ids in zip(slots, row_responses):
+        for slot, ids, mask in zip(slots, row_responses, row_masks):
             out[f"{slot}_input_ids"].append(ids)
+            if loss_masks:
+                out[f"{slot}_loss_mask"].append(mask[: len(ids)])
         if len(slots) > 1:
             out["identical"].append(all(ids == row_responses[0] for ids in row_responses[1:]))
         for name, value in extras.items():
@@ -105,6 +111,8 @@ class RLHFDataModule(LightningDataModule):
     collator_class: ClassVar[type]
     parse: ClassVar[RowParser]
     example_test_file: ClassVar[str] = "data/tiny/prefs_test.jsonl"  # of this kind of rows, for messages
+    # whether rows carry ``<slot>_loss_mask`` (a multi-turn response trained on its assistant turns only)
+    loss_masks: ClassVar[bool] = False
 
     def detect_format(self, columns: list[str], source: str) -> str:
         raise NotImplementedError
@@ -128,6 +136,13 @@ class RLHFDataModule(LightningDataModule):
             ("val_batch_size", hp.val_batch_size is None or hp.val_batch_size >= 1, "None or >= 1"),
             ("num_workers", hp.num_workers >= 0, ">= 0"),
         ]
+        for stage in ("val", "test"):  # a held-out split of the training source that is the training split
+            if hp.get(f"{stage}_path") is None and hp.get(f"{stage}_split") == hp.split:
+                raise ValueError(
+                    f"{type(self).__name__}: {stage}_split={hp.split!r} without {stage}_path reads the training"
+                    f" split of train_path again: its rows would be training rows. Give another split or slice"
+                    f" (e.g. split='train[:90%]', {stage}_split='train[90%:]') or a {stage}_path"
+                )
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{type(self).__name__}: {name} must be {requirement}, got {hp.get(name)!r}")
@@ -147,8 +162,8 @@ class RLHFDataModule(LightningDataModule):
         that each rank's ``setup`` then reads instead of repeating the work."""
         hp = self.hparams
         self._encode(hp.train_path, hp.split)
-        if hp.val_path is not None:
-            self._encode(hp.val_path, hp.val_split or hp.split)
+        if self._held_out("val") is not None:
+            self._encode(*self._held_out("val"))
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -158,9 +173,10 @@ class RLHFDataModule(LightningDataModule):
             return
         hp = self.hparams
         train = self._encode(hp.train_path, hp.split)
-        val, val_source = None, hp.val_path or hp.train_path
-        if hp.val_path is not None:
-            val = self._encode(hp.val_path, hp.val_split or hp.split)
+        val, held_out = None, self._held_out("val")
+        val_source = hp.train_path if held_out is None else held_out[0]
+        if held_out is not None:
+            val = self._encode(*held_out)
         elif hp.val_fraction > 0:
             train, val = carve_validation(train, hp.val_fraction, resolve_seed(hp.seed), hp.train_path)
         self.train_dataset = self._apply_length_policy(train, "train", hp.train_path)
@@ -168,10 +184,20 @@ class RLHFDataModule(LightningDataModule):
 
     def _setup_test(self) -> None:
         """The test split (``lit-rlhf test`` / ``trainer.test``): ``test_path``, read like ``train_path``."""
+        held_out = self._held_out("test")
+        if self.test_dataset is None and held_out is not None:
+            test = self._encode(*held_out)
+            self.test_dataset = self._apply_length_policy(test, "test", held_out[0])
+
+    def _held_out(self, stage: Literal["val", "test"]) -> tuple[str, str] | None:
+        """(source, split) of the validation or test rows: ``<stage>_path`` with ``<stage>_split`` (default
+        ``split``); without a path, ``<stage>_split`` of ``train_path`` (e.g. a hub dataset's "test" split,
+        or the slice "train[90%:]" of a local file); None when neither is set."""
         hp = self.hparams
-        if self.test_dataset is None and hp.get("test_path") is not None:
-            test = self._encode(hp.test_path, hp.get("test_split") or hp.split)
-            self.test_dataset = self._apply_length_policy(test, "test", hp.test_path)
+        path, split = hp.get(f"{stage}_path"), hp.get(f"{stage}_split")
+        if path is not None:
+            return path, split or hp.split
+        return None if split is None else (hp.train_path, split)
 
     def row_columns(self, columns: list[str], fmt: str) -> list[str]:
         """The source columns kept beside the tokens, for the collator to pass on (none here)."""
@@ -192,6 +218,7 @@ class RLHFDataModule(LightningDataModule):
             tokenizer=self.tokenizer,
             max_prompt_length=self.hparams.max_prompt_length,
             max_length=self.hparams.get("max_length"),
+            loss_masks=self.loss_masks,
         )
         try:
             return dataset.map(

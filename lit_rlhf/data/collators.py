@@ -86,14 +86,19 @@ class SFTCollator:
     """Prompt + completion, RIGHT-padded: ``input_ids``, ``attention_mask``, ``labels``, ``response_mask`` (B, L).
 
     ``labels`` equal ``input_ids`` on completion tokens and are -100 on prompt and padding (the loss is on
-    the response only); the causal-LM shift is left to the model, as in transformers.
+    the response only; a multi-turn completion is trained on its assistant turns, ``completion_loss_mask``);
+    the causal-LM shift is left to the model, as in transformers.
     """
 
     pad_token_id: int
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         sequences = [r["prompt_input_ids"] + r["completion_input_ids"] for r in rows]
-        masks = [[0] * len(r["prompt_input_ids"]) + [1] * len(r["completion_input_ids"]) for r in rows]
+        # a multi-turn completion's loss mask leaves out its user turns (empty or absent: all trained)
+        masks = [
+            [0] * len(r["prompt_input_ids"]) + (r.get("completion_loss_mask") or [1] * len(r["completion_input_ids"]))
+            for r in rows
+        ]
         input_ids, attention_mask = pad(sequences, self.pad_token_id, "right")
         response_mask = pad(masks, 0, "right")[0]
         labels = input_ids.masked_fill(response_mask == 0, IGNORE_INDEX)

@@ -3,22 +3,24 @@
 Every parser turns one raw row (a dict from ``datasets``) into plain Python values and raises a
 :class:`DataFormatError` naming the source, the row and the field at the first problem it finds.
 Texts are either strings (used verbatim) or *chats*: lists of ``{"role", "content"}`` messages with
-role ``system``, ``user`` or ``assistant`` and non-empty string content. :mod:`lit_rlhf.data.render`
-turns them into model text.
+role ``system``, ``user`` or ``assistant`` and non-empty string content (a message's other keys, such as
+``reasoning_content``, are kept for the chat template). :mod:`lit_rlhf.data.render` turns them into model text.
 
 Preference formats (``format="auto"`` picks the first that matches the columns, in this order):
 
 - ``sharegpt``: ``conversations`` (list of ``{from, value}``; from = human/user, gpt/assistant or
   system) plus ``chosen``/``rejected`` single ``{from, value}`` turns from gpt/assistant (the ShareGPT preference layout).
-- ``explicit``: ``prompt``, ``chosen``, ``rejected``; each a string or a chat.
+- ``explicit``: ``prompt``, ``chosen``, ``rejected``; each a string or a chat (responses: assistant messages;
+  full conversations beside the prompt are read as TRL reads them, see :func:`_parse_explicit`).
 - ``implicit``: ``chosen``, ``rejected`` full texts sharing a prompt (Anthropic HH); see
   :func:`split_implicit_prompt`. Both may also be chats: the prompt is their common leading messages.
 
 An optional numeric ``margin`` column is passed through (the reward-model margin loss).
 Prompt rows: ``prompt`` (string or chat), else ``messages`` (chat), else ``conversations`` (ShareGPT);
 a final assistant turn in ``messages``/``conversations`` is dropped, so SFT data doubles as prompts.
-SFT rows: ``prompt`` + ``completion`` (or ``response``), else ``messages``/``conversations`` whose
-last message is the assistant's response and everything before it the prompt.
+SFT rows: ``prompt`` + ``completion`` (or ``response``), else ``messages``/``conversations`` ending with an
+assistant message: the prompt is everything before the first assistant message, the completion the rest
+(in a multi-turn conversation, every assistant turn is trained and the user turns between them are not).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Chat = list[dict[str, str]]
+Chat = list[dict[str, Any]]  # {role, content} and whatever else a message holds for its template
 Text = str | Chat
 
 ROLES = ("system", "user", "assistant")
@@ -92,7 +94,7 @@ def parse_chat(value: Any, ref: RowRef, field: str, *, sharegpt: bool = False) -
     return [_parse_message(m, ref, f"{field}[{i}]", sharegpt=sharegpt) for i, m in enumerate(value)]
 
 
-def _parse_message(message: Any, ref: RowRef, field: str, *, sharegpt: bool) -> dict[str, str]:
+def _parse_message(message: Any, ref: RowRef, field: str, *, sharegpt: bool) -> dict[str, Any]:
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(message, dict):
         raise ref.error(field, f"expected a {{{role_key}, {content_key}}} message, got {_type(message)}")
@@ -101,7 +103,12 @@ def _parse_message(message: Any, ref: RowRef, field: str, *, sharegpt: bool) -> 
     if not isinstance(role, str) or role not in known:
         raise ref.error(f"{field}.{role_key}", f"unknown role {role!r}; expected one of {sorted(known)}")
     content = parse_string(message.get(content_key), ref, f"{field}.{content_key}")
-    return {"role": known[role], "content": content}
+    if sharegpt:
+        return {"role": known[role], "content": content}
+    # the template reads what else a message holds (Qwen3's ``reasoning_content``, ``name``, ``tool_calls``);
+    # a column of messages read by ``datasets`` holds every key of every message, None where absent
+    extra = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+    return {"role": known[role], "content": content, **extra}
 
 
 def parse_text(value: Any, ref: RowRef, field: str) -> Text:
@@ -116,10 +123,22 @@ def parse_text(value: Any, ref: RowRef, field: str) -> Text:
 
 
 def parse_response(value: Any, ref: RowRef, field: str) -> Text:
-    """A response: a string, or a chat whose last message is the assistant's."""
-    text = parse_text(value, ref, field)
-    if isinstance(text, list) and text[-1]["role"] != "assistant":
-        raise ref.error(f"{field}[{len(text) - 1}].role", "a response must end with an assistant message")
+    """A response: a string, or a chat of assistant messages."""
+    return check_response(parse_text(value, ref, field), ref, field)
+
+
+def check_response(text: Text, ref: RowRef, field: str) -> Text:
+    """``text`` when it is a string or a chat of assistant messages only: another role in a response would be
+    trained as the model's own text (a full conversation given beside a ``prompt``, say)."""
+    if isinstance(text, list):
+        other = next((i for i, m in enumerate(text) if m["role"] != "assistant"), None)
+        if other is not None:
+            raise ref.error(
+                f"{field}[{other}].role",
+                f"a response holds assistant messages only, got {text[other]['role']!r} (a full conversation?"
+                " give chosen/rejected without the prompt's messages, or without a prompt column: the"
+                " implicit format takes their shared leading messages as the prompt)",
+            )
     return text
 
 
@@ -193,6 +212,29 @@ def _parse_implicit(row: dict, ref: RowRef) -> tuple[Text, Text, Text]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def _parse_explicit(row: dict, ref: RowRef) -> tuple[Text, Text, Text]:
+    """``prompt``, ``chosen``, ``rejected``; chats that repeat the prompt are cut to their responses.
+
+    A string prompt beside full conversations (UltraFeedback-binarized: ``prompt`` the user's text,
+    ``chosen``/``rejected`` the user turn and the reply) is read as TRL's ``maybe_extract_prompt`` reads it:
+    the prompt is the conversations' shared leading messages. A chat prompt whose messages both
+    conversations start with is cut off them.
+    """
+    prompt = parse_text(row.get("prompt"), ref, "prompt")
+    chosen, rejected = (parse_text(row.get(f), ref, f) for f in ("chosen", "rejected"))
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        full = any(m["role"] != "assistant" for m in chosen + rejected)
+        if isinstance(prompt, str) and full:
+            return _parse_implicit(row, ref)
+        n = len(prompt) if isinstance(prompt, list) else 0
+        if n and chosen[:n] == prompt and rejected[:n] == prompt:
+            chosen, rejected = chosen[n:], rejected[n:]
+            for field, chat in (("chosen", chosen), ("rejected", rejected)):
+                if not chat:
+                    raise ref.error(field, "no response: all its messages are the prompt's")
+    return prompt, *(check_response(t, ref, f) for t, f in ((chosen, "chosen"), (rejected, "rejected")))
+
+
 def _parse_sharegpt_turn(value: Any, ref: RowRef, field: str) -> Chat:
     message = _parse_message(value, ref, field, sharegpt=True)
     if message["role"] != "assistant":
@@ -218,8 +260,7 @@ def parse_preference_row(row: dict, fmt: str, ref: RowRef) -> PreferenceRow:
         chosen = _parse_sharegpt_turn(row.get("chosen"), ref, "chosen")
         rejected = _parse_sharegpt_turn(row.get("rejected"), ref, "rejected")
     elif fmt == "explicit":
-        prompt = parse_text(row.get("prompt"), ref, "prompt")
-        chosen, rejected = (parse_response(row.get(f), ref, f) for f in ("chosen", "rejected"))
+        prompt, chosen, rejected = _parse_explicit(row, ref)
     else:
         prompt, chosen, rejected = _parse_implicit(row, ref)
     if chosen == rejected:  # no preference to learn: the pair's loss gradient is zero whatever the model
@@ -255,13 +296,14 @@ def parse_prompt_row(row: dict, fmt: str, ref: RowRef) -> Text:
 # ------------------------------------------------------------------------------------------------- SFT
 def detect_sft_format(columns: list[str], source: str) -> str:
     """The column holding the target: ``completion``/``response`` (with ``prompt``), else ``messages``/``conversations``."""
-    if "prompt" in columns:
-        target = "completion" if "completion" in columns else "response"
-        if target not in columns:
-            raise _missing_column(columns, source, "completion", "'prompt' with 'completion' or 'response'")
+    target = next((n for n in ("completion", "response") if n in columns), None)
+    if "prompt" in columns and target is not None:
         return target
+    # a chat column wins over a lone ``prompt`` (ultrachat_200k has ``prompt``, ``prompt_id`` and ``messages``)
     found = next((n for n in ("messages", "conversations") if n in columns), None)
     if found is None:
+        if "prompt" in columns:
+            raise _missing_column(columns, source, "completion", "'prompt' with 'completion' or 'response'")
         raise _missing_column(
             columns, source, "prompt", "'prompt' + 'completion', 'messages' or 'conversations'"
         )
@@ -275,6 +317,9 @@ def parse_sft_row(row: dict, fmt: str, ref: RowRef) -> tuple[Text, Text]:
     chat = parse_chat(row.get(fmt), ref, fmt, sharegpt=fmt == "conversations")
     if chat[-1]["role"] != "assistant":
         raise ref.error(f"{fmt}[{len(chat) - 1}].role", "the last message must be the assistant's response")
-    if len(chat) == 1:
+    first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
+    if first == 0:
         raise ref.error(fmt, "no prompt before the assistant's response")
-    return chat[:-1], chat[-1:]
+    # the prompt ends at the first assistant turn; the completion is the rest of the conversation, trained on
+    # its assistant turns (its user turns are masked out: see SFTCollator)
+    return chat[:first], chat[first:]

@@ -59,7 +59,8 @@ class PreferenceDataModule(RLHFDataModule):
         Args:
             tokenizer: tokenizer hub id or folder (loaded with the project's pad-token policy).
             train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
-            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
+            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows
+                (unless ``val_split`` names a held-out split of ``train_path``).
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
             format: row format: "explicit", "implicit", "sharegpt", or "auto" to detect it from the columns.
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
@@ -74,9 +75,11 @@ class PreferenceDataModule(RLHFDataModule):
             num_workers: DataLoader worker processes.
             seed: seed of the validation carve-out and of the training order; None follows the global
                 seed (``seed_everything``).
-            val_split: split to load from ``val_path``; None means ``split``.
+            val_split: split to load from ``val_path``; None means ``split``. Without ``val_path``, a split
+                or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]"), and no rows are carved.
             test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
-            test_split: split to load from ``test_path``; None means ``split``.
+            test_split: split to load from ``test_path``; None means ``split``. Without ``test_path``, a split
+                or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]").
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

@@ -15,13 +15,15 @@ def parse_sft(row: dict, fmt: str, ref: RowRef) -> tuple[Text, tuple[Text, ...],
 class SFTDataModule(RLHFDataModule):
     """SFT rows from a hub dataset, a ``save_to_disk`` folder or a json/jsonl/parquet/csv file.
 
-    Rows have ``prompt`` + ``completion`` (or ``response``), or ``messages``/``conversations`` whose last
-    message is the assistant's response. Batches (RIGHT-padded): ``input_ids``, ``attention_mask``,
-    ``labels`` (-100 on prompt and padding), ``response_mask``, all (B, L).
+    Rows have ``prompt`` + ``completion`` (or ``response``), or ``messages``/``conversations`` ending with an
+    assistant message (multi-turn: every assistant turn is trained, the user turns between them are not).
+    Batches (RIGHT-padded): ``input_ids``, ``attention_mask``, ``labels`` (-100 on prompt, user turns and
+    padding), ``response_mask`` (1 on the trained tokens), all (B, L).
     """
 
     example_test_file = "data/tiny/sft_test.jsonl"
     slots = ("completion",)
+    loss_masks = True
     collator_class = SFTCollator
     parse = staticmethod(parse_sft)
 
@@ -48,7 +50,8 @@ class SFTDataModule(RLHFDataModule):
         Args:
             tokenizer: tokenizer hub id or folder (loaded with the project's pad-token policy).
             train_path: hub dataset name, ``save_to_disk`` folder, or .json/.jsonl/.parquet/.csv file.
-            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows.
+            val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows
+                (unless ``val_split`` names a held-out split of ``train_path``).
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
             max_length: token limit of prompt + completion.
             max_prompt_length: token limit of the prompt (its end is kept when truncating).
@@ -60,9 +63,11 @@ class SFTDataModule(RLHFDataModule):
                 seed (``seed_everything``).
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
-            val_split: split to load from ``val_path``; None means ``split``.
+            val_split: split to load from ``val_path``; None means ``split``. Without ``val_path``, a split
+                or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]"), and no rows are carved.
             test_path: held-out source for ``test`` (``lit-rlhf test``), read like ``train_path``.
-            test_split: split to load from ``test_path``; None means ``split``.
+            test_split: split to load from ``test_path``; None means ``split``. Without ``test_path``, a split
+                or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]").
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
         """
         super().__init__()

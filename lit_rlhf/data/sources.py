@@ -89,7 +89,8 @@ def _csv_as_written(path: str) -> dict[str, Any]:
     from datasets import Features, Value
 
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which pandas drops from the names
+        with open(path, encoding="utf-8-sig", newline="") as f:
             header = next(csv.reader(f), None)
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
