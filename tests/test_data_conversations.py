@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import make_corpus
 
 from lit_rlhf.data import PreferenceDataModule, SFTDataModule
 from lit_rlhf.data.formats import DataFormatError, RowRef, detect_sft_format, parse_preference_row
 from lit_rlhf.models.tokenizer import train_bpe_tokenizer
-
-from conftest import make_corpus
 
 REF = RowRef("data.jsonl", 3)
 CHATML = (
