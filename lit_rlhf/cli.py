@@ -346,7 +346,13 @@ def run_cli(args: list[str] | None = None) -> LitRLHFCLI:
 
 def main(args: list[str] | None = None) -> None:
     """Console-script entry point of ``lit-rlhf``; after a subcommand that ran to its end, the process groups of
-    a multi-process run are destroyed while the interpreter is whole (see :mod:`lit_rlhf.process_groups`)."""
+    a multi-process run are destroyed while the interpreter is whole (see :mod:`lit_rlhf.process_groups`).
+
+    The working directory is put first on ``sys.path``, as ``python -m`` does, so that the modules a config
+    names beside it (``reward_fn: my_rewards:style``, ``env: my_envs:Guess``) are found."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     run_cli(args)
     release_process_groups()
 

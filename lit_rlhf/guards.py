@@ -74,10 +74,15 @@ def screen_scores(
     first = rows[0]
     value = scores[first].flatten()[~torch.isfinite(scores[first].flatten())][0].item()
     what = "every row" if policy == "drop" else f"{len(rows)} of {len(bad)} rows"
+    advice = (  # under drop: there is nothing left to learn from, dropping is what failed
+        "every row of the rollout is non-finite; nothing to learn from. Fix the scorer"
+        if policy == "drop"
+        else "Fix the scorer, or set scoring.on_nonfinite='drop' to drop such rows"
+    )
     raise NonFiniteError(
         f"{rollout if isinstance(rollout, str) else f'rollout {rollout}'}: {source} returned non-finite scores for {what} (rows {rows[:8]}"
         f"{'...' if len(rows) > 8 else ''}); first: row {first}, score {value}, prompt {_quote(prompts[first])},"
-        f" response {_quote(responses[first])}. Fix the scorer, or set scoring.on_nonfinite='drop' to drop such rows"
+        f" response {_quote(responses[first])}. {advice}"
     )
 
 

@@ -121,7 +121,11 @@ class LitProgressBar(TQDMProgressBar):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if not trainer.sanity_checking:
-            self.print_line(f"validation at step {trainer.global_step}: {self.metrics_text(trainer, pl_module, 'val/')}", force=True)
+            # the step the loggers file the scalars under; for an online module, the rollouts it follows
+            rollouts = getattr(pl_module, "rollouts_done", None)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped  # as samples.logger_step reads it
+            when = f"after rollout {rollouts}" if rollouts is not None else f"at step {step}"
+            self.print_line(f"validation {when}: {self.metrics_text(trainer, pl_module, 'val/')}", force=True)
 
 
 class RolloutProgressBar(LitProgressBar):

@@ -10,16 +10,24 @@ Two calling forms are accepted, told apart by the function's signature (:func:`r
 
 - this project's ``fn(prompts, responses, **columns)``: two positional parameters, given the decoded
   prompt and response strings positionally;
-- TRL's ``fn(completions, **kwargs)``: a parameter named ``completions`` or ``completion_ids``, or
-  ``**kwargs`` with fewer than two positional parameters (``fn(**kwargs)``); called with keywords only,
-  ``prompts`` and ``completions`` (the decoded responses) among them. TRL's ``None`` ("no reward for this
-  row") is read as NaN.
+- TRL's ``fn(completions, **kwargs)``: a parameter named ``completions``, one named ``completion_ids``
+  with fewer than two positional parameters before it, or ``**kwargs`` with fewer than two positional
+  parameters (``fn(**kwargs)``); called with keywords only, ``prompts`` and ``completions`` (the decoded
+  responses) among them. When the prompt rows were chats (a ``prompt`` column of message lists, as in TRL's
+  conversational data), they are passed as TRL passes them: ``prompts`` the message lists, ``completions``
+  ``[[{"role": "assistant", "content": response}], ...]``. TRL's ``None`` means "this function does not
+  score this row" (e.g. a row of another task): in a ``reward_fn`` list the row's total is the weighted
+  sum of the functions that scored it, as TRL's ``nansum`` (NaN where none did); a lone function's None is
+  NaN. A NaN or inf a function returns is a non-finite score.
 
 Both forms may take by keyword ``completion_ids`` (each response's token ids, a list of ints, its stop
 token included), the prompt rows' other columns (``answer=[...]``) and the fixed ``kwargs`` a config gives
 the function. Every keyword but the fixed ones is a list with one entry per response (a prompt's K
 responses share its row's values). A function without ``**kwargs`` receives only the keywords it names; one
-naming a keyword that is neither given nor a column is refused at the call, with the columns listed.
+naming a keyword that is neither given nor a column is refused at the call, with the columns listed. A
+column named like one of the pairs form's two positional parameters (TRL's prompt-completion data has a
+``completion`` column, ``fn(prompt, completion, **columns)``) is not passed: the parameter already holds
+the decoded text (TRL, too, leaves its ``prompt`` and ``completion`` columns out of the keywords).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import importlib
 import inspect
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,6 +47,8 @@ import torch
 RewardFn = Callable[..., Sequence[float]]
 # the keywords lit_rlhf passes to a TRL-form function besides the rows' columns
 PASSED = ("prompts", "completions", "completion_ids")
+# the column of the prompt rows that, holding chats (message lists), makes the call conversational
+CHAT_COLUMN = "prompt"
 FORMS = (
     "this project's fn(prompts, responses, **columns) (two positional parameters) nor TRL's "
     "fn(completions, **kwargs) (a parameter named `completions` or `completion_ids`, or only **kwargs)"
@@ -57,7 +69,18 @@ def import_object(path: str, argument: str, kind: str = "function") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise ValueError(f"{argument} {path!r}: module {module_name!r} not found ({err})") from err
+        if err.name is None or not (module_name + ".").startswith(err.name + "."):  # one of its own imports
+            raise ValueError(
+                f"{argument} {path!r}: importing module {module_name!r} raised ModuleNotFoundError: {err}"
+            ) from err
+        if "." in err.name:  # its package was found
+            raise ValueError(f"{argument} {path!r}: module {module_name!r} not found ({err})") from err
+        searched = [os.path.abspath(entry or os.curdir) for entry in sys.path]
+        raise ValueError(
+            f"{argument} {path!r}: module {module_name!r} not found ({err}); searched the directories of "
+            f"sys.path: {searched}. Put it in one of them (e.g. the working directory) or add its directory "
+            "to PYTHONPATH"
+        ) from err
     except BaseException as err:  # the module's own top-level code failed (any exception, even SystemExit)
         if isinstance(err, KeyboardInterrupt):
             raise
@@ -115,6 +138,14 @@ def reward_scores(
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def none_rows(scores: Any) -> list[bool]:
+    """Where a reward function's output (checked by :func:`reward_scores`) holds None: TRL's "this function
+    does not score this row"."""
+    if hasattr(scores, "tolist") and not isinstance(scores, (str, bytes)):
+        scores = scores.tolist()
+    return [value is None for value in scores]
+
+
 @dataclass(frozen=True)
 class RewardCall:
     """How a reward function is called, read from its signature by :func:`reward_call`.
@@ -124,11 +155,13 @@ class RewardCall:
             (``fn(completions, **kwargs)``).
         keywords: the keyword parameters it names (None: any, it has ``**kwargs``).
         required: the keyword parameters it needs (no default).
+        positional: the names of the pairs form's two positional parameters (empty for TRL's form).
     """
 
     form: Literal["pairs", "trl"]
     keywords: frozenset[str] | None
     required: tuple[str, ...]
+    positional: tuple[str, ...] = ()
 
 
 def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None) -> RewardCall:
@@ -149,9 +182,7 @@ def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None)
     kind = inspect.Parameter
     var_keyword = any(p.kind is kind.VAR_KEYWORD for p in params)
     positional = [p for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
-    by_name = [signature.parameters.get(key) for key in ("completions", "completion_ids")]
-    trl = any(p is not None and p.kind is not kind.POSITIONAL_ONLY for p in by_name)
-    form = "trl" if trl or (var_keyword and len(positional) < 2) else "pairs"
+    form = "trl" if _names_trl_keywords(params) or (var_keyword and len(positional) < 2) else "pairs"
     where = f"{name}: {getattr(fn, '__name__', type(fn).__name__)}{signature}"
     given = [] if form == "trl" else positional[:2]  # the pairs form's (prompts, responses)
     if form == "pairs" and len(given) < 2 and not any(p.kind is kind.VAR_POSITIONAL for p in params):
@@ -173,7 +204,22 @@ def reward_call(fn: Callable, name: str, fixed: Mapping[str, Any] | None = None)
             f"{where}: kwargs {bad} are not keywords it takes (lit_rlhf passes {list(PASSED)} itself)"
         )
     required = tuple(p.name for p in named if p.default is p.empty and p.name not in fixed)
-    return RewardCall(form, keywords, required)
+    return RewardCall(form, keywords, required, tuple(p.name for p in given))
+
+
+def _names_trl_keywords(params: list[inspect.Parameter]) -> bool:
+    """Whether a signature marks TRL's form by name: a ``completions`` parameter, or a ``completion_ids`` one
+    with fewer than two positional parameters before it (after two it is the pairs form's keyword, as in
+    ``fn(prompts, responses, *, completion_ids)``)."""
+    kind = inspect.Parameter
+    positional = 0
+    for p in params:
+        if p.name in ("completions", "completion_ids") and p.kind is not kind.POSITIONAL_ONLY:
+            if p.name == "completions" or positional < 2:
+                return True
+        if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return False
 
 
 def call_reward_fn(
@@ -193,7 +239,9 @@ def call_reward_fn(
         fn: the reward function; ``call``: its form from :func:`reward_call`; ``name``: for messages.
         prompts, completions: B decoded prompt and response strings.
         completion_ids: B lists of response token ids.
-        columns: the prompt rows' other columns, each a list of B values (or None: no columns).
+        columns: the prompt rows' other columns, each a list of B values (or None: no columns). A
+            ``prompt`` column of chats (:func:`chat_prompts`) is no column: TRL's form gets it as ``prompts``
+            and the responses as assistant messages; the pairs form gets the strings.
         fixed: the fixed keyword arguments of the config.
 
     Raises:
@@ -201,12 +249,21 @@ def call_reward_fn(
             function needs that is neither.
     """
     columns, fixed = dict(columns or {}), dict(fixed or {})
+    chats = chat_prompts(columns)
+    if chats is not None:
+        del columns[CHAT_COLUMN]
     offered: dict[str, Any] = {"completion_ids": completion_ids}
-    if call.form == "trl":
+    if call.form == "trl" and chats is not None:  # TRL's conversational format
+        conversations = [[{"role": "assistant", "content": c}] for c in completions]
+        offered.update(prompts=chats, completions=conversations)
+    elif call.form == "trl":
         offered.update(prompts=prompts, completions=completions)
+
     def accepts(key: str) -> bool:
         return call.keywords is None or key in call.keywords
 
+    # a column named like a positional parameter cannot reach the function: that name holds the text
+    columns = {k: v for k, v in columns.items() if k not in call.positional}
     clash = sorted(k for k in columns if accepts(k) and (k in offered or k in fixed or k in PASSED))
     if clash:
         raise ValueError(
@@ -223,3 +280,20 @@ def call_reward_fn(
         )
     kwargs = {k: v for k, v in offered.items() if accepts(k)}
     return fn(**kwargs) if call.form == "trl" else fn(prompts, completions, **kwargs)
+
+
+def chat_prompts(columns: Mapping[str, list]) -> list[list[dict]] | None:
+    """The rows' chat prompts: the ``prompt`` column when every value is a message list (dicts with a
+    ``role``, as TRL's ``is_conversational`` reads them), else None (a string ``prompt`` column is an
+    ordinary column)."""
+    values = columns.get(CHAT_COLUMN)
+    if not values:
+        return None
+    def is_chat(value: Any) -> bool:
+        return (
+            isinstance(value, (list, tuple))
+            and bool(value)
+            and all(isinstance(m, Mapping) and "role" in m for m in value)
+        )
+
+    return [list(v) for v in values] if all(map(is_chat, values)) else None

@@ -30,7 +30,14 @@ from lit_rlhf.models import (
     load_tokenizer,
     reward_model_scores,
 )
-from lit_rlhf.reward_fns import RewardFn, call_reward_fn, import_reward_fn, reward_call, reward_scores
+from lit_rlhf.reward_fns import (
+    RewardFn,
+    call_reward_fn,
+    import_reward_fn,
+    none_rows,
+    reward_call,
+    reward_scores,
+)
 from lit_rlhf.settings import Settings
 
 __all__ = ["RewardFn", "RewardSource", "RewardTerm", "import_reward_fn", "reward_terms"]
@@ -233,15 +240,33 @@ class RewardSource(torch.nn.Module):
         ``chunk_size``: rows per reward-model forward, or the (rows, columns, t) micro-batches of
         ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed). ``columns``: the prompt
         rows' other columns for the functions, each a list of B values (a prompt's K rows repeated).
+        A part's raw score is NaN where its function gave None (see :meth:`score_parts`).
         """
+        total, parts, _ = self.score_parts(input_ids, attention_mask, response_length, chunk_size, columns)
+        return total, parts
+
+    @torch.no_grad()
+    def score_parts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        chunk_size: int | Sequence[MicroBatch],
+        columns: Mapping[str, list] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """:meth:`score_terms`, and each part's (B,) bool mask of the rows it scored: False where a TRL-form
+        function of a ``reward_fn`` list returned None (it does not score that row, e.g. another task's:
+        the total is the weighted sum of the functions that scored the row, NaN where none did,
+        ``functional.weighted_reward_sum``); every row elsewhere."""
         if self.members is not None:
             scores = self.model_scores(input_ids, attention_mask, response_length, chunk_size)  # (K, B)
             total = F.aggregate_ensemble(self.common_scale(scores), self.ensemble.aggregation, self.ensemble.coef)
-            return total, dict(zip(self.part_names, scores))  # the members' raw scores
+            parts = dict(zip(self.part_names, scores))  # the members' raw scores
+            return total, parts, {name: torch.ones_like(raw, dtype=torch.bool) for name, raw in parts.items()}
         if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
-            return torch.zeros(input_ids.shape[0], device=input_ids.device), {}
+            return torch.zeros(input_ids.shape[0], device=input_ids.device), {}, {}
         if self.fn is None and not self.terms:
-            return self.model_scores(input_ids, attention_mask, response_length, chunk_size)[0], {}
+            return self.model_scores(input_ids, attention_mask, response_length, chunk_size)[0], {}, {}
         n, device = input_ids.shape[0], input_ids.device
         for key, values in (columns or {}).items():
             if len(values) != n:
@@ -254,15 +279,19 @@ class RewardSource(torch.nn.Module):
             self.decode_responses(input_ids[:, -response_length:], response_mask),
             [row[mask].tolist() for row, mask in zip(input_ids[:, -response_length:], response_mask)],
         )
-        if self.fn is not None:
+        if self.fn is not None:  # a lone function's None is NaN: nothing scored the row
             out = call_reward_fn(self.fn, self.call, self.description, *texts, columns)
-            return reward_scores(self.description, out, n, device, none_as_nan=self.call.form == "trl"), {}
-        parts = {}
+            return reward_scores(self.description, out, n, device, none_as_nan=self.call.form == "trl"), {}, {}
+        parts, scored = {}, {}
         for term, fn, call, name in zip(self.terms, self.term_fns, self.calls, self.term_names):
             out = call_reward_fn(fn, call, name, *texts, columns, term.kwargs)
             parts[term.name] = reward_scores(name, out, n, device, none_as_nan=call.form == "trl")  # (B,)
-        total = F.weighted_reward_sum(torch.stack(list(parts.values())), self.weights.to(device))  # (B,)
-        return total, parts
+            absent = none_rows(out) if call.form == "trl" else [False] * n
+            scored[term.name] = ~torch.tensor(absent, dtype=torch.bool, device=device)  # (B,)
+        total = F.weighted_reward_sum(
+            torch.stack(list(parts.values())), self.weights.to(device), torch.stack(list(scored.values()))
+        )  # (B,)
+        return total, parts, scored
 
     def model_scores(
         self,

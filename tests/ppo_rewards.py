@@ -59,3 +59,13 @@ class RankTurns:
     def step(self, response):
         self.turns -= 1
         return (None, 1.0, True) if self.turns == 0 else (" and the", 0.0, False)
+
+
+def math_task(completions: list[str], task: list[str], **kwargs) -> list[float | None]:
+    """TRL's multi-task pattern: scores the rows of its task (the completion's length), None elsewhere."""
+    return [float(len(c)) if t == "math" else None for c, t in zip(completions, task)]
+
+
+def code_task(completions: list[str], task: list[str], **kwargs) -> list[float | None]:
+    """The other task of :func:`math_task`: 1.0 on its rows, NaN (a real non-finite score) on 'broken' ones."""
+    return [1.0 if t == "code" else float("nan") if t == "broken" else None for t in task]

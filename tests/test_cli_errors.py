@@ -210,3 +210,19 @@ def test_a_ckpt_path_lightning_cannot_resolve_is_one_error_line(workdir):
     proc = lit_rlhf(workdir, "validate", "--config", str(ROOT / "configs/sft_tiny.yaml"), "--ckpt_path", "best")
     line = error_line(proc, max_lines=None)
     assert line.startswith("error: --ckpt_path: ") and 'ckpt_path="best"' in line
+
+
+def test_the_console_script_finds_a_reward_module_in_the_working_directory(tmp_path, monkeypatch):
+    # `lit-rlhf fit` next to the config and its my_rewards.py (README), as `python -m` would find it
+    from lit_rlhf import cli
+    from lit_rlhf.reward_fns import import_reward_fn
+
+    (tmp_path / "cwd_rewards_xyz.py").write_text("def style(prompts, responses):\n    return [0.0] * len(responses)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.curdir, str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_rewards_xyz", raising=False)
+    found = []
+    monkeypatch.setattr(cli, "run_cli", lambda args: found.append(import_reward_fn("cwd_rewards_xyz:style")))
+    cli.main(["fit"])
+    assert found[0].__module__ == "cwd_rewards_xyz" and sys.path[0] == str(tmp_path)
+    sys.modules.pop("cwd_rewards_xyz", None)

@@ -82,7 +82,7 @@ def test_online_and_dpo_tiny_configs_validate_and_test(exports, name, metric):
     test = lit_rlhf(exports, "test", "--config", config, "--trainer.logger=false")
     assert f"val/{metric}" in validate and f"test/{metric}" in test
     if name != "dpo":  # evaluation rollouts: score and KL in the progress line of a log, table rows
-        assert "validation at step 0: val/score=" in validate and "val/kl_ref=" in validate
+        assert "validation after rollout 0: val/score=" in validate and "val/kl_ref=" in validate
         assert "test/response_length" in test and "test/score" in test
     for noise in (*NOISE, "validation_step", "test_step", "eval mode"):
         assert noise not in validate + test, f"{noise!r} in:\n{validate + test}"

@@ -217,3 +217,26 @@ def test_val_and_test_split_without_a_path_read_the_training_source(tmp_path, to
 def test_held_out_split_equal_to_the_training_split_is_refused(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match="val_split='train' without val_path reads the training split"):
         SFTDataModule(tokenizer_dir, saved_dict(tmp_path), val_split="train")
+
+
+# ------------------------------------------------------------------------------ chat prompts to rewards
+@pytest.mark.parametrize("column", ["messages", "prompt"])
+def test_chat_prompts_reach_the_reward_columns_as_message_lists(tmp_path, chatml_dir, column):
+    """TRL-form reward functions take a conversational batch's prompts as message lists (TRL's format)."""
+    from lit_rlhf.data import PromptDataModule
+
+    chat = [user("the food?")]
+    source = chat + [assistant("good")] if column == "messages" else chat  # a final assistant turn is dropped
+    path = write_jsonl(tmp_path / "p.jsonl", [{column: source, "answer": "4"}] * 2)
+    module = PromptDataModule(chatml_dir, path, batch_size=2)
+    batch = first_batch(module)
+    assert [[{"role": m["role"], "content": m["content"]} for m in p] for p in batch["columns"]["prompt"]] == [chat] * 2
+    assert batch["columns"]["answer"] == ["4", "4"]
+
+
+def test_string_prompts_are_not_passed_as_a_column(tmp_path, tokenizer_dir):
+    from lit_rlhf.data import PromptDataModule
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the food", "answer": "4"}] * 2)
+    batch = first_batch(PromptDataModule(tokenizer_dir, path, batch_size=2))
+    assert batch["columns"] == {"answer": ["4", "4"]}

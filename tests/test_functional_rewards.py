@@ -30,6 +30,22 @@ def test_weighted_sum_nonfinite_reaches_the_total_unless_the_weight_is_zero():
     assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == 2.0
 
 
+def test_weighted_sum_leaves_out_what_a_function_did_not_score():
+    # TRL's None (the row is another task's): the term is left out (nansum), NaN where no weighted term scored
+    scores = torch.tensor([[2.0, NAN, 3.0, NAN, NAN], [NAN, 4.0, 1.0, NAN, 5.0]])
+    scored = torch.tensor([[True, False, True, False, True], [False, True, True, False, True]])
+    out = weighted_reward_sum(scores, torch.tensor([1.0, 0.5]), scored)
+    # [1*2, 0.5*4, 1*3 + 0.5*1, nothing scored it, a real NaN of function 0]
+    assert out[:3].tolist() == [2.0, 2.0, 3.5] and math.isnan(out[3]) and math.isnan(out[4])
+    # a weight-0 function only logs: a row that only it scored has no total
+    out = weighted_reward_sum(scores, torch.tensor([1.0, 0.0]), scored)
+    assert out[0] == 2.0 and math.isnan(out[1]) and out[2] == 3.0
+    # every weight 0 (only logged terms): the total stays 0, as without `scored`
+    assert weighted_reward_sum(scores, torch.zeros(2), scored).tolist() == [0.0] * 5
+    with pytest.raises(ValueError, match=r"`scored` must be \(N, B\) like `scores`, got \(5,\)"):
+        weighted_reward_sum(scores, torch.ones(2), scored[0])
+
+
 @pytest.mark.parametrize(
     ("scores", "weights", "message"),
     [

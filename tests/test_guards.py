@@ -46,8 +46,9 @@ def test_screen_scores_drop_returns_keep_mask_and_refuses_to_drop_everything():
     keep = screen_scores(torch.tensor([1.0, -math.inf, 2.0]), "drop", **kwargs)
     assert keep.tolist() == [True, False, True]
     assert screen_scores(torch.tensor([1.0, 2.0, 3.0]), "raise", **kwargs).all()
-    with pytest.raises(NonFiniteError, match="every row"):
+    with pytest.raises(NonFiniteError, match="every row") as err:
         screen_scores(torch.full((3,), float("nan")), "drop", **kwargs)
+    assert "nothing to learn from" in str(err.value) and "set scoring.on_nonfinite" not in str(err.value)
     with pytest.raises(ValueError, match="on_nonfinite"):
         screen_scores(torch.ones(3), "ignore", **kwargs)
 

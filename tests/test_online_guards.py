@@ -50,6 +50,16 @@ def test_nonfinite_score_raises_naming_rollout_source_prompt_and_response(kind, 
     check_finite_weights(module.actor, "actor")
 
 
+def test_a_rollout_without_a_finite_score_stops_the_fit_under_drop_saying_why(tokenizer_dir, tmp_path):
+    module = build("grpo", tokenizer_dir, reward_fn="ppo_rewards:always_nan", scoring={"on_nonfinite": "drop"})
+    with pytest.raises(NonFiniteError) as err:
+        trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
+    message = str(err.value)
+    assert "rollout 1: reward_fn ppo_rewards:always_nan returned non-finite scores for every row" in message
+    assert "every row of the rollout is non-finite; nothing to learn from" in message
+    assert "on_nonfinite='drop'" not in message, "drop is already set"
+
+
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
 def test_nonfinite_score_dropped_counted_and_weights_stay_finite(kind, tokenizer_dir, tmp_path):
     module = build(kind, tokenizer_dir, reward_fn=NAN_FN, max_rollouts=3, scoring={"on_nonfinite": "drop"})

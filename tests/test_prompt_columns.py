@@ -63,7 +63,7 @@ def test_carved_validation_rows_and_chat_prompts_keep_their_columns(tokenizer_di
     dm.setup()
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         for batch in loader:
-            assert set(batch["columns"]) == {"answer"} and len(batch["columns"]["answer"]) == 2
+            assert set(batch["columns"]) == {"answer", "prompt"} and len(batch["columns"]["answer"]) == 2
             for text, answer in zip(dm.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True),
                                     batch["columns"]["answer"]):  # fmt: skip
                 assert answer == next(r["answer"] for r in ROWS if r["prompt"] in text)

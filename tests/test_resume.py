@@ -24,10 +24,10 @@ TINY = {
 STEPS_PER_EPOCH = 5  # 80 rows / batch_size 16
 
 
-def make(kind: str, tiny: Path):
+def make(kind: str, tiny: Path, batch_size: int = 16):
     spec = ModelSpec(config=TINY, tokenizer=f"{tiny}/tokenizer", seed=0)
     opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
-    kw = dict(max_length=64, max_prompt_length=16, batch_size=16, split="train[:80]", val_fraction=0.0)
+    kw = dict(max_length=64, max_prompt_length=16, batch_size=batch_size, split="train[:80]", val_fraction=0.0)
     if kind == "sft":
         return (
             SFTModule(spec, optimizer=opt, scheduler=None, num_samples=0),
@@ -39,17 +39,23 @@ def make(kind: str, tiny: Path):
     return RewardModelModule(spec, optimizer=opt, scheduler=None), data
 
 
-def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None):
+def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None, max_steps: int = -1, batch_size: int = 16):
     """Checkpoints: ``ckpt/steps`` every 2 steps (+ last.ckpt), ``ckpt/epochs`` at each epoch's end."""
-    module, data = make(kind, tiny)
+    module, data = make(kind, tiny, batch_size)
     steps = ModelCheckpoint(root / "ckpt/steps", "{epoch}-{step}", save_top_k=-1, every_n_train_steps=2, save_last=True)
     epochs = ModelCheckpoint(root / "ckpt/epochs", "{epoch}-{step}", save_top_k=-1, every_n_epochs=1)
     trainer = Trainer(
         default_root_dir=root, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[steps, epochs], deterministic=True,
+        max_steps=max_steps,
     )  # fmt: skip
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, module
+
+
+def data_state(path: Path) -> dict:
+    (state,) = [v for k, v in torch.load(path, weights_only=False).items() if k.endswith("DataModule")]
+    return state
 
 
 def assert_same_weights(a, b):
@@ -67,9 +73,8 @@ def uninterrupted(request, tiny_data_dir, tmp_path_factory):
 
 def test_end_of_epoch_checkpoint_state_starts_the_next_epoch(uninterrupted):
     _, root, _ = uninterrupted
-    state = torch.load(root / "ckpt/epochs" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", weights_only=False)
-    (dm_state,) = [v for k, v in state.items() if k.endswith("DataModule")]
-    assert dm_state == {"epoch": 1, "consumed": 0}
+    state = data_state(root / "ckpt/epochs" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
+    assert state == {"epoch": 1, "consumed": 0, "offset": 0, "batches": 0}
 
 
 @pytest.mark.parametrize(
@@ -90,6 +95,28 @@ def test_end_of_run_resume_with_a_larger_limit_continues(uninterrupted, tiny_dat
     trainer, resumed = fit(kind, tiny_data_dir, tmp_path / "more", 3, ckpt_path=end)
     assert trainer.global_step == 3 * STEPS_PER_EPOCH
     assert_same_weights(full, resumed)
+
+
+def test_a_run_cut_mid_epoch_by_max_steps_continues_that_epoch_when_extended(uninterrupted, tiny_data_dir, tmp_path):
+    """``max_steps`` ends the epoch early and Lightning counts it finished; the extension's next epoch
+    continues the cut one's order (before, it started a new order and never saw the rest)."""
+    kind, _, full = uninterrupted
+    fit(kind, tiny_data_dir, tmp_path / "short", 3, max_steps=STEPS_PER_EPOCH + 2)
+    end = tmp_path / "short/ckpt/epochs" / f"epoch=1-step={STEPS_PER_EPOCH + 2}.ckpt"
+    assert data_state(end) == {"epoch": 1, "consumed": 32, "offset": 1, "batches": 0}
+    trainer, resumed = fit(kind, tiny_data_dir, tmp_path / "more", 4, ckpt_path=end)
+    # Lightning's epochs are one ahead of the order's from there: the 3 batches left of order 1 make its
+    # epoch 2, order 2 its epoch 3
+    assert trainer.global_step == 3 * STEPS_PER_EPOCH
+    assert_same_weights(full, resumed)
+
+
+def test_a_batch_size_changed_on_resume_keeps_the_data_position(tiny_data_dir, tmp_path):
+    """The position counts the batches before the resume at their own size (before, all at the new one)."""
+    fit("sft", tiny_data_dir, tmp_path / "a", 1, max_steps=2)  # 2 batches of 16: 32 rows of order 0
+    trainer, _ = fit("sft", tiny_data_dir, tmp_path / "b", 1, ckpt_path=tmp_path / "a/ckpt/steps/last.ckpt",
+                     max_steps=4, batch_size=8)  # fmt: skip
+    assert data_state(tmp_path / "b/ckpt/steps/last.ckpt")["consumed"] == 32 + 2 * 8
 
 
 def test_checkpoint_without_metric_states_still_resumes(uninterrupted, tiny_data_dir, tmp_path):

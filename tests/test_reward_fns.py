@@ -53,6 +53,20 @@ def test_import_errors_name_the_argument(path, problem):
         import_reward_fn(path)
 
 
+def test_a_module_not_found_names_the_directories_searched(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as err:
+        import_reward_fn("surely_missing_module_xyz:f")
+    message = str(err.value)
+    assert "module 'surely_missing_module_xyz' not found" in message and "searched the directories of sys.path" in message
+    assert str(tmp_path) in message and "the working directory" in message
+    # a module that is there but imports a missing one is named as such
+    (tmp_path / "needs_missing_xyz.py").write_text("import surely_missing_dependency_xyz\n")
+    with pytest.raises(ValueError, match="importing module 'needs_missing_xyz' raised ModuleNotFoundError: No module "
+                                         "named 'surely_missing_dependency_xyz'"):  # fmt: skip
+        import_reward_fn("needs_missing_xyz:f")
+
+
 def test_import_returns_the_function(reward_module):
     name = reward_module("good_rewards", "def f(prompts, responses):\n    return [len(r) for r in responses]\n")
     assert import_reward_fn(f"{name}:f")(["p"], ["abc"]) == [3]

@@ -47,6 +47,18 @@ class Scorer:
         return [float(c == a) for c, a in zip(completions, answer)]
 
 
+def pairs_ids_kwonly(prompts, responses, *, completion_ids):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def pairs_ids_default(prompts, responses, completion_ids=None):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def trl_prompts_ids(prompts, completion_ids):
+    return [0.0] * len(prompts)
+
+
 @pytest.mark.parametrize(
     ("fn", "form", "keywords", "required"),
     [
@@ -60,6 +72,10 @@ class Scorer:
         (only_kwargs, "trl", None, ()),
         (trl_prompts, "trl", None, ("prompts",)),
         (Scorer(), "trl", {"completions", "answer"}, ("completions", "answer")),
+        # completion_ids after the pairs form's two positional parameters is its keyword, not TRL's marker
+        (pairs_ids_kwonly, "pairs", {"completion_ids"}, ("completion_ids",)),
+        (pairs_ids_default, "pairs", {"completion_ids"}, ()),
+        (trl_prompts_ids, "trl", {"prompts", "completion_ids"}, ("prompts", "completion_ids")),
     ],
 )
 def test_the_form_is_read_from_the_signature(fn, form, keywords, required):
@@ -116,6 +132,82 @@ def test_call_passes_each_form_what_it_takes():
                           {"answer": ["a"], "level": [3]}, {"scale": 2.0}) == [2.0]  # fmt: skip
     assert call_reward_fn(pairs_with_kwargs, reward_call(pairs_with_kwargs, "rf"), "rf", *args) == [3.0]  # ids, answer, level
     assert call_reward_fn(pairs, reward_call(pairs, "rf"), "rf", *args) == [1.0]
+
+
+def test_the_pairs_form_takes_completion_ids_by_keyword():
+    for fn in (pairs_ids_kwonly, pairs_ids_default):
+        call = reward_call(fn, "rf")
+        assert call_reward_fn(fn, call, "rf", ["p", "q"], ["r", "s"], [[1, 2, 3], [4]], {"answer": ["1", "2"]}) == [3.0, 1.0]
+
+
+def test_a_column_named_like_a_positional_parameter_is_not_passed():
+    # TRL's prompt-completion data has a `completion` column; fn(prompt, completion, **columns) gets the text
+    seen = {}
+
+    def ref_match(prompt, completion, **columns):
+        seen.update(prompt=prompt, completion=completion, columns=sorted(columns))
+        return [1.0] * len(completion)
+
+    call = reward_call(ref_match, "rf")
+    assert call.form == "pairs" and call.positional == ("prompt", "completion")
+    out = call_reward_fn(ref_match, call, "rf", ["p"], ["r"], [[1]], {"completion": ["gold"], "reference": ["x"]})
+    assert out == [1.0] and seen == {"prompt": ["p"], "completion": ["r"], "columns": ["completion_ids", "reference"]}
+
+
+CHATS = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}], [{"role": "user", "content": "1+1?"}]]
+
+
+def test_chat_prompts_reach_trl_functions_in_trl_conversational_format():
+    seen = {}
+
+    def trl_format(prompts, completions, **kwargs):  # TRL's documented conversational format reward
+        seen.update(prompts=prompts, kwargs=sorted(kwargs))
+        return [float(completion[0]["content"] == "5") for completion in completions]
+
+    args = (["2+3?", "1+1?"], ["5", "3"], [[7], [8]])
+    out = call_reward_fn(trl_format, reward_call(trl_format, "rf"), "rf", *args, {"prompt": CHATS, "answer": ["5", "2"]})
+    assert out == [1.0, 0.0] and seen == {"prompts": CHATS, "kwargs": ["answer", "completion_ids"]}
+    # the pairs form keeps its strings; a `prompt` column of strings is an ordinary column, as before
+    assert call_reward_fn(pairs_with_kwargs, reward_call(pairs_with_kwargs, "rf"), "rf", *args, {"prompt": CHATS}) == [1.0] * 2
+    def trl_spy(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions, kwargs=sorted(kwargs))
+        return [0.0] * len(completions)
+
+    call_reward_fn(trl_spy, reward_call(trl_spy, "rf"), "rf", *args, {"prompt": ["a", "b"]})
+    assert seen == {"prompts": ["2+3?", "1+1?"], "completions": ["5", "3"], "kwargs": ["completion_ids", "prompt"]}
+
+
+def test_trl_none_is_a_row_the_function_does_not_score(tokenizer_dir):
+    # TRL's multi-task pattern: each function scores its task's rows and gives None elsewhere; the total is
+    # the weighted sum of what scored the row (TRL's nansum), NaN where nothing did or a real NaN came back
+    tok = load_tokenizer(tokenizer_dir, padding_side="left")
+    ids, mask, T = rollout_rows(tok, ["a", "b", "c", "d"], [" the", " bad", " it", " was"])
+    source = RewardSource(None, ["ppo_rewards:math_task", {"fn": "ppo_rewards:code_task", "weight": 2.0}], tok)
+    task = {"task": ["math", "code", "neither", "broken"]}
+    total, parts, scored = source.score_parts(ids, mask, T, 4, task)
+    assert total[0] == len(" the") and total[1] == 2.0 and math.isnan(total[2]) and math.isnan(total[3])
+    assert scored["math_task"].tolist() == [True, False, False, False]
+    assert scored["code_task"].tolist() == [False, True, False, True]  # a NaN is a score (non-finite), None is not
+    assert math.isnan(parts["math_task"][1]) and parts["code_task"][1] == 1.0
+    assert torch.equal(source.score_terms(ids, mask, T, 4, task)[0].nan_to_num(-1), total.nan_to_num(-1))
+
+
+def test_a_multi_task_run_learns_from_every_row_and_counts_only_real_nonfinite_scores(tokenizer_dir, tmp_path):
+    import csv
+
+    from conftest import gpt2_config
+    from ppo_helpers import prompt_loader, tiny_critic_free, trainer
+
+    batch = next(iter(prompt_loader(tokenizer_dir, n=4, batch_size=4)))
+    loader = torch.utils.data.DataLoader([{**batch, "columns": {"task": ["math", "code"] * 2}}], batch_size=None)
+    terms = ["ppo_rewards:math_task", "ppo_rewards:code_task"]
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=terms, max_rollouts=1)  # on_nonfinite: raise
+    trainer(tmp_path).fit(module, loader)
+    (path,) = tmp_path.rglob("metrics.csv")
+    (row,) = [r for r in csv.DictReader(path.open()) if r.get("rollout/score")]
+    assert float(row["rollout/nonfinite_scores"]) == 0.0
+    assert float(row["rollout/reward_nonfinite/math_task"]) == float(row["rollout/reward_nonfinite/code_task"]) == 0.0
+    assert float(row["rollout/reward/code_task"]) == 1.0  # the mean over its own rows
 
 
 def test_call_names_a_missing_column_and_a_column_that_clashes():

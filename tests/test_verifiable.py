@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lit_rlhf.verifiable import accuracy, format_reward, repetition_penalty, soft_overlong_punishment
@@ -43,7 +45,9 @@ def test_an_unparseable_completion_scores_zero(completion):
 def test_an_unparseable_gold_answer_is_reported_not_scored_wrong(gold):
     with pytest.warns(UserWarning, match="math-verify cannot parse the gold answer"):
         scores = accuracy(["1/2", "0.5", "nothing"], answer=[gold, "1/2", gold])
-    assert scores == [None, 1.0, None]  # None: NaN for lit_rlhf's on_nonfinite policy, skipped by TRL
+    # NaN: a non-finite score for lit_rlhf's on_nonfinite policy, skipped by TRL's nansum (not None: in a
+    # reward_fn list None means "not this function's row", and the other functions' sum would stand)
+    assert math.isnan(scores[0]) and scores[1] == 1.0 and math.isnan(scores[2])
 
 
 def test_answer_pattern_checks_the_last_match_and_a_missing_match_scores_zero():
@@ -76,6 +80,31 @@ def test_the_answer_a_pattern_picks_out_is_read_as_latex_math_like_the_gold(answ
     assert accuracy([f"so <answer>{answer}</answer>"], answer=[gold], answer_pattern=TAGS) == [score]
 
 
+@pytest.mark.parametrize(
+    ("answer", "gold", "score"),
+    [
+        ("It is 5", "5", 1.0),  # plain words: read as free text, as math-verify reads a whole completion
+        ("**5**", "5", 1.0),  # markdown around the answer is dropped
+        ("`5`", "5", 1.0),
+        ("__\\frac{1}{2}__", "0.5", 1.0),
+        ("The answer is *5*.", "5", 1.0),
+        ("**2\\sqrt{2}**", "2", 0.0),  # still math once the markdown is gone
+        ("2*3*4", "24", 1.0),  # a product, no emphasis
+        ("x_1 + x_1", "2x_1", 1.0),  # subscripts, no emphasis
+        ("It is 4", "5", 0.0),
+    ],
+)
+def test_the_answer_a_pattern_picks_out_is_read_without_markdown_and_words_as_text(answer, gold, score):
+    assert accuracy([f"<think>2+3=5</think><answer>{answer}</answer>"], answer=[gold], answer_pattern=TAGS) == [score]
+
+
+def test_conversational_completions_are_read_by_their_last_message():
+    chat = [[{"role": "assistant", "content": "so \\boxed{5}"}], [{"role": "assistant", "content": "<answer>4</answer>"}]]
+    assert accuracy(chat, answer=["5", "4"]) == [1.0, 0.0]  # the second: digits glued to tags, as for strings
+    assert format_reward(chat) == [1.0, 0.0]
+    assert repetition_penalty([[{"role": "assistant", "content": "a b a b"}]], ngram_size=2) == pytest.approx([-1 / 3])
+
+
 def test_number_golds_are_written_out_and_nan_is_a_missing_gold():
     import numpy as np
 
@@ -84,7 +113,8 @@ def test_number_golds_are_written_out_and_nan_is_a_missing_gold():
     assert accuracy(["\\boxed{10000000000000000}", "\\boxed{e+16}"], answer=[1e16] * 2) == [1.0, 0.0]
     assert accuracy(["\\boxed{3}"], answer=[np.int64(3)]) == [1.0]
     with pytest.warns(UserWarning, match="cannot parse the gold answer nan"):
-        assert accuracy(["\\boxed{nan}"], answer=[float("nan")]) == [None]  # how pandas stores a missing number
+        (score,) = accuracy(["\\boxed{nan}"], answer=[float("nan")])  # how pandas stores a missing number
+    assert math.isnan(score)
 
 
 def test_currency_and_matrix_golds_are_read_as_math():

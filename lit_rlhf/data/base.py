@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from datasets import Dataset  # imported by ``load_source`` when a source is read
 
 LengthPolicy = Literal["truncate", "drop"]
-# parse(row, fmt, ref) -> (prompt, responses in slot order, extra scalar columns such as margin); ``row`` also
+# parse(row, fmt, ref) -> (prompt, responses in slot order, extra columns such as margin); ``row`` also
 # holds the kept source columns (``row_columns``) under ``ROW_COLUMN_PREFIX``
-RowParser = Callable[[dict, str, RowRef], tuple[Text, tuple[Text, ...], dict[str, float]]]
+RowParser = Callable[[dict, str, RowRef], tuple[Text, tuple[Text, ...], dict[str, Any]]]
 
 
 def encode_batch(
@@ -154,7 +154,7 @@ class RLHFDataModule(LightningDataModule):
         self.train_sampler: ResumableSampler | None = None
         # per split: rows (before the length policy), truncated, dropped
         self.stats: dict[str, dict[str, int]] = {}
-        self._resume = {"epoch": 0, "consumed": 0}
+        self._resume = {"epoch": 0, "consumed": 0, "offset": 0, "batches": 0}
 
     @override
     def prepare_data(self) -> None:
@@ -199,15 +199,16 @@ class RLHFDataModule(LightningDataModule):
             return path, split or hp.split
         return None if split is None else (hp.train_path, split)
 
-    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
-        """The source columns kept beside the tokens, for the collator to pass on (none here)."""
+    def row_columns(self, columns: list[str], fmt: str, features: Any = None) -> list[str]:
+        """The source columns kept beside the tokens, for the collator to pass on (none here); ``features``
+        are the source's ``datasets`` features."""
         return []
 
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
         columns = [c for c in dataset.column_names if c != FILE_ROW_COLUMN]
         fmt = self.detect_format(columns, path)
-        kept = self.row_columns(columns, fmt)
+        kept = self.row_columns(columns, fmt, dataset.features)
         if kept:  # renamed, so no column of the source can collide with the encoded ones
             dataset = dataset.rename_columns({c: ROW_COLUMN_PREFIX + c for c in kept})
         fn_kwargs = dict(
@@ -266,11 +267,12 @@ class RLHFDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before train_dataloader()")
+        resume = self._resume
         self.train_sampler = ResumableSampler(
-            self.train_dataset, shuffle=True, seed=resolve_seed(self.hparams.seed)
+            self.train_dataset, shuffle=True, seed=resolve_seed(self.hparams.seed), epoch_offset=resume["offset"]
         )
-        self.train_sampler.set_epoch(self._resume["epoch"])
-        self.train_sampler.set_consumed(self._resume["consumed"])
+        self.train_sampler.set_epoch(resume["epoch"] + resume["offset"])  # Lightning's epoch number
+        self.train_sampler.set_consumed(resume["consumed"])
         if self._drop_last() and len(self.train_sampler) < self.hparams.batch_size:
             raise ValueError(
                 f"{type(self).__name__}: {len(self.train_sampler)} training rows per rank are fewer than"
@@ -320,22 +322,59 @@ class RLHFDataModule(LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, int]:
-        """Training-sampler position at checkpoint time: epoch and samples consumed by all ranks together."""
+        """Training-sampler position at checkpoint time: the epoch of the order, the samples of it consumed by
+        all ranks together, the offset of Lightning's epoch number over the order's, and Lightning's count of
+        the epoch's batches that ``consumed`` goes with.
+
+        An epoch a limit cut short (``max_steps``, an online module's ``max_rollouts``) counts as finished for
+        Lightning, which starts a new epoch when the run is resumed with a larger limit: that new epoch then
+        continues the cut one's order (the offset grows by one), so an extended run sees the rows an
+        uninterrupted one would.
+        """
         if self.trainer is None or self.train_sampler is None:
             return {}
         epochs = self.trainer.fit_loop.epoch_progress.current
-        if epochs.processed == epochs.started:
-            # between epochs (e.g. the checkpoint saved in ``on_train_epoch_end``, after Lightning counted
-            # the epoch as processed): the next epoch starts from its beginning
-            return {"epoch": epochs.processed, "consumed": 0}
         batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        consumed = batches * self.hparams.batch_size * self.train_sampler.num_replicas
-        return {"epoch": epochs.processed, "consumed": consumed}
+        offset = self._resume["offset"]
+        if epochs.processed != epochs.started:  # inside an epoch
+            return self._position(epochs.processed, batches, offset)
+        # between epochs (e.g. the checkpoint saved in ``on_train_epoch_end``, after Lightning counted the
+        # epoch as processed): the next epoch starts from its beginning unless a limit cut this one short
+        ended = self._position(epochs.processed - 1, batches, offset)
+        rows, per_batch = len(self.train_dataset), self.hparams.batch_size * self.train_sampler.num_replicas
+        left = rows - ended["consumed"]
+        if left > 0 and not (self._drop_last() and left < per_batch) and batches > 0:
+            return {**ended, "offset": offset + 1, "batches": 0}
+        return {"epoch": epochs.processed - offset, "consumed": 0, "offset": offset, "batches": 0}
+
+    def _position(self, lightning_epoch: int, batches: int, offset: int) -> dict[str, int]:
+        """The order's position after ``batches`` batches of Lightning's epoch ``lightning_epoch``: in the epoch
+        the run resumed into, the restored position plus the batches since (at this run's batch size, which
+        may differ from the checkpoint's)."""
+        per_batch = self.hparams.batch_size * self.train_sampler.num_replicas
+        resume = self._resume
+        if lightning_epoch == resume["epoch"] + resume["offset"]:
+            consumed = resume["consumed"] + (batches - resume["batches"]) * per_batch
+        else:
+            consumed = batches * per_batch
+        return {"epoch": lightning_epoch - offset, "consumed": consumed, "offset": offset, "batches": batches}
 
     @override
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume the training order where :meth:`state_dict` left it (applied by ``train_dataloader``)."""
+        consumed = int(state_dict.get("consumed", 0))
+        # checkpoints of earlier versions: no offset, and ``consumed`` counted at one batch size throughout
+        batches = state_dict.get("batches")
+        if batches is None:
+            batches = consumed // (self.hparams.batch_size * max(1, self._replicas()))
         self._resume = {
             "epoch": int(state_dict.get("epoch", 0)),
-            "consumed": int(state_dict.get("consumed", 0)),
+            "consumed": consumed,
+            "offset": int(state_dict.get("offset", 0)),
+            "batches": int(batches),
         }
+
+    def _replicas(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

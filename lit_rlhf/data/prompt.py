@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lit_rlhf.data.base import LengthPolicy, RLHFDataModule
-from lit_rlhf.data.collators import PromptCollator
+from lit_rlhf.data.collators import ROW_COLUMN_PREFIX, PromptCollator
 from lit_rlhf.data.formats import RowRef, Text, detect_prompt_format, parse_prompt_row
 
 
-def parse_prompt(row: dict, fmt: str, ref: RowRef) -> tuple[Text, tuple[Text, ...], dict[str, float]]:
-    return parse_prompt_row(row, fmt, ref), (), {}
+def parse_prompt(row: dict, fmt: str, ref: RowRef) -> tuple[Text, tuple[Text, ...], dict[str, Any]]:
+    prompt = parse_prompt_row(row, fmt, ref)
+    # a chat prompt reaches TRL-form reward functions as TRL's conversational ``prompt`` column (a final
+    # assistant turn dropped, ShareGPT turns as role/content); a column holds chats in every row or in none
+    return prompt, (), {ROW_COLUMN_PREFIX + "prompt": prompt} if isinstance(prompt, list) else {}
 
 
 class PromptDataModule(RLHFDataModule):
@@ -77,6 +82,7 @@ class PromptDataModule(RLHFDataModule):
     def detect_format(self, columns: list[str], source: str) -> str:
         return detect_prompt_format(columns, source)
 
-    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
-        """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to rewards."""
+    def row_columns(self, columns: list[str], fmt: str, features: Any = None) -> list[str]:
+        """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to rewards (a
+        chat prompt is passed as ``prompt``: see :func:`parse_prompt`)."""
         return [c for c in columns if c != fmt]

@@ -41,6 +41,7 @@ class ResumableSampler(DistributedSampler):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
+        epoch_offset: int = 0,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         num_replicas = (
@@ -51,12 +52,15 @@ class ResumableSampler(DistributedSampler):
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         self.consumed = 0
+        self.epoch_offset = epoch_offset
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order; a *different* epoch starts from its beginning (``consumed = 0``)."""
-        if epoch != self.epoch:
+        """Select the order of epoch ``epoch - epoch_offset`` (Lightning passes its own epoch number; the
+        offset counts the epochs a run cut short and then resumed had continued in the next one); a *different*
+        epoch starts from its beginning (``consumed = 0``)."""
+        if epoch - self.epoch_offset != self.epoch:
             self.consumed = 0
-        super().set_epoch(epoch)
+        super().set_epoch(epoch - self.epoch_offset)
 
     def set_consumed(self, consumed: int) -> None:
         """Skip the first ``consumed`` samples (all ranks together) of the current epoch."""

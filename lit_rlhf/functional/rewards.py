@@ -10,16 +10,21 @@ import torch
 from lit_rlhf.functional._checks import check_number
 
 
-def weighted_reward_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_reward_sum(
+    scores: torch.Tensor, weights: torch.Tensor, scored: torch.Tensor | None = None
+) -> torch.Tensor:
     """The total reward of each response: sum_i w_i * s_i over the N reward functions.
 
     A function of weight 0 is left out of the sum (it is only logged), so its NaN/inf does not reach the
     total; a non-finite score of any other function makes the row's total non-finite, for the caller's
-    non-finite policy (``scoring.on_nonfinite``) to raise on or drop.
+    non-finite policy (``scoring.on_nonfinite``) to raise on or drop. Where ``scored`` is False the
+    function gave no score (TRL's None: the row is another task's): that term is left out of the sum, as
+    TRL's ``nansum`` leaves it, and a row that no function of nonzero weight scored is NaN.
 
     Args:
-        scores: (N, B) raw scores of each function for each response.
+        scores: (N, B) raw scores of each function for each response (any value where not ``scored``).
         weights: (N,) finite weights (any sign).
+        scored: (N, B) bool, False where function i gave response j no score; None: every one did.
 
     Returns:
         (B,) float32 totals.
@@ -29,11 +34,20 @@ def weighted_reward_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Te
             f"weighted_reward_sum: `scores` must be (N, B) and `weights` (N,), got {tuple(scores.shape)} "
             f"and {tuple(weights.shape)}"
         )
+    if scored is not None and scored.shape != scores.shape:
+        raise ValueError(
+            f"weighted_reward_sum: `scored` must be (N, B) like `scores`, got {tuple(scored.shape)} and "
+            f"{tuple(scores.shape)}"
+        )
     if not bool(torch.isfinite(weights).all()):
         raise ValueError(f"weighted_reward_sum: `weights` must be finite, got {weights.tolist()}")
     scores, weights = scores.float(), weights.float()
-    used = weights[:, None] != 0  # (N, 1)
-    return torch.where(used, weights[:, None] * scores, 0.0).sum(dim=0)  # (B,)
+    used = (weights != 0)[:, None].expand_as(scores)  # (N, B)
+    counted = used if scored is None else used & scored.bool()  # (N, B)
+    total = torch.where(counted, weights[:, None] * scores, 0.0).sum(dim=0)  # (B,)
+    if scored is None or not bool(used.any()):  # every term scored, or only logged ones
+        return total
+    return torch.where(counted.any(dim=0), total, torch.nan)  # (B,) NaN: no term scored the row
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:

@@ -148,7 +148,10 @@ class OnlineBookkeeping(LightningModule):
     # -- Lightning hooks: limits, checkpoints, export -------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run."""
+        """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run,
+        and log at the rollout index: Lightning's logging step can trail it by one after resuming a run its
+        ``max_rollouts`` ended inside a validation (the last step's increment is not replayed)."""
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.rollouts_done  # one batch, one rollout
         total = self.planned_rollouts(len(self.trainer.optimizers))
         for scheduler in self.lr_schedulers_list():
             resolve_total_steps(scheduler, total)

@@ -142,12 +142,13 @@ class OnlineEvaluation(LightningModule):
         loss_mask, T = sample.loss_mask, responses.shape[1]  # the policy's tokens
         batches = self.micro_batches(attention_mask, T)
         # 2. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
-        #    are left out of the means), the monitor on the side, and the KL to the reference.
-        raw, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
+        #    are left out of the means, a batch of none finite too), the monitor on the side, and the KL to
+        #    the reference.
+        raw, terms, scored = self.rewards.score_parts(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
         if sample.env_scores is not None:
             raw = raw + sample.env_scores  # (B,)
         where = f"{stage} after rollout {self.rollouts_done}"
-        keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where)  # (B,)
+        keep = self.screen(raw, self.rewards, input_ids, attention_mask, T, counted=False, where=where, evaluation=True)
         scores = self.adjust_scores(raw, truncated)  # (B,)
         logprobs, ref_logprobs, entropy = self.policy_logprobs(input_ids, attention_mask, T, settings.temperature)
         kl = F.kl_penalty(logprobs, ref_logprobs, self.kl.estimator)  # (B, T)
@@ -162,16 +163,18 @@ class OnlineEvaluation(LightningModule):
             metrics.update(sample.episodes.metrics())
         sizes = {"score": int(keep.sum())}
         for name, values in terms.items():  # a reward_fn list's functions, an ensemble's members
-            finite = torch.isfinite(values)  # (B,)
+            finite, rows = torch.isfinite(values), scored.get(name, torch.ones_like(values, dtype=torch.bool))  # (B,)
             metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
-            self.log(f"{stage}/reward_nonfinite/{name}", (~finite).sum().float(), reduce_fx="sum",
+            self.log(f"{stage}/reward_nonfinite/{name}", (~finite & rows).sum().float(), reduce_fx="sum",
                      sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
         spread, count = ensemble_spread(terms, self.rewards.common_scale) if self.rewards.members is not None else (None, 0)
         if count:  # an ensemble: its members' spread over the responses they all scored finitely
             metrics["ensemble_std"], sizes["ensemble_std"] = spread, int(count)
         if self.monitor is not None:
             monitor = self.monitor.score(input_ids, attention_mask, T, batches, columns)  # (B,)
-            monitor_keep = self.screen(monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where)
+            monitor_keep = self.screen(
+                monitor, self.monitor, input_ids, attention_mask, T, counted=False, where=where, evaluation=True
+            )  # (B,)
             metrics["monitor_score"] = kept_mean(monitor, monitor_keep)
             sizes["monitor_score"] = int(monitor_keep.sum())
         # 3. Means over the split (weighted by rows, reduced across ranks); the first batch's samples.

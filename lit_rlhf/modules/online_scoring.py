@@ -184,8 +184,9 @@ class RolloutScoring(LightningModule):
         (``Sample.columns``). A ``reward_fn`` list's raw score of each function (an ensemble's of each
         member) is logged as ``rollout/reward/<name>`` (the mean of its finite scores) and
         ``rollout/reward_nonfinite/<name>`` (its NaN/inf scores over all ranks, e.g. unparseable gold
-        answers); an ensemble's spread as ``rollout/ensemble_std`` (the mean over responses of the members'
-        standard deviation, ``functional.ensemble_std``).
+        answers; not the rows it returned None for, which it does not score); an ensemble's spread as
+        ``rollout/ensemble_std`` (the mean over responses of the members' standard deviation,
+        ``functional.ensemble_std``).
 
         Every score (reward model or function, and the monitor) is screened by ``on_nonfinite``: under
         ``"raise"`` a non-finite score on any rank stops the fit naming the rollout, the source and the
@@ -197,11 +198,11 @@ class RolloutScoring(LightningModule):
         logged: its non-finite rows are left out of ``rollout/monitor_score`` under ``"drop"``.
         """
         batches = self.micro_batches(attention_mask, T)
-        # (B,) scores, and each function's (B,) raw scores for a reward_fn list
-        scores, terms = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)
+        # (B,) scores, and each function's (B,) raw scores for a reward_fn list and the rows it scored
+        scores, terms, scored = self.rewards.score_parts(input_ids, attention_mask, T, batches, columns)
         if env_scores is not None:
             scores = scores + env_scores  # (B,)
-        self.log_reward_terms(terms)
+        self.log_reward_terms(terms, scored)
         if self.rewards.members is not None:
             spread, count = ensemble_spread(terms, self.rewards.common_scale)
             self.rollout_metrics.update({"ensemble_std": spread}, weight=count)
@@ -219,13 +220,17 @@ class RolloutScoring(LightningModule):
         names = self.rewards.part_names
         return [f"reward/{n}" for n in names] + [f"reward_nonfinite/{n}" for n in names]
 
-    def log_reward_terms(self, terms: dict[str, torch.Tensor]) -> None:
+    def log_reward_terms(self, terms: dict[str, torch.Tensor], scored: dict[str, torch.Tensor] | None = None) -> None:
         """Per-rollout metrics of each function's (B,) raw scores: the mean of the finite ones (weighted by
-        their count across ranks) and the count of non-finite ones over all ranks."""
+        their count across ranks) and the count of non-finite ones over all ranks, of the rows it scored
+        (``scored``: (B,) bool by name, False where it returned None; None: every row)."""
         if not terms:
             return
+        scored = scored or {}
         finite = {name: torch.isfinite(raw) for name, raw in terms.items()}  # each (B,)
-        bad = torch.stack([(~ok).sum() for ok in finite.values()]).float()  # (N,)
+        bad = torch.stack(
+            [(~ok & scored.get(name, torch.ones_like(ok))).sum() for name, ok in finite.items()]
+        ).float()  # (N,)
         bad = self.trainer.strategy.reduce(bad, reduce_op="sum")  # (N,) every rank's
         for (name, raw), count in zip(terms.items(), bad):
             ok = finite[name]
@@ -242,24 +247,31 @@ class RolloutScoring(LightningModule):
         T: int,
         counted: bool = True,
         where: str | None = None,
+        evaluation: bool = False,
     ) -> torch.Tensor:
         """``guards.screen_scores`` under ``scoring.on_nonfinite``, decided the same on every rank: (B,) keep
-        mask. ``where`` names the rollout in messages (default ``rollout N``, the one being made)."""
+        mask. ``where`` names the rollout in messages (default ``rollout N``, the one being made).
+        ``evaluation``: under ``"drop"`` a batch without a finite row is no error, it adds no rows to the
+        means (nothing is learned from it); in training it stops the fit (nothing to learn from)."""
         bad = ~torch.isfinite(scores)  # (B,)
         totals = self.trainer.strategy.reduce(  # non-finite and finite rows of every rank
             torch.stack([bad.sum(), (~bad).sum()]).float(), reduce_op="sum"
         )
         if counted:
             self.rollout_metrics.update({"nonfinite_scores": totals[0]})
-        if totals[0] == 0:
+        policy = self.scoring.on_nonfinite
+        if totals[0] == 0 or (evaluation and policy == "drop"):
             return ~bad
-        policy = self.scoring.on_nonfinite if totals[1] > 0 else "raise"  # nothing left to learn from
         rollout = where or self.rollouts_done + 1
         if not bad.any():
-            if policy == "raise":
+            if policy == "raise" or totals[1] == 0:
+                advice = (
+                    "set scoring.on_nonfinite='drop' to drop such rows" if policy == "raise"
+                    else "every row of the rollout is non-finite; nothing to learn from"
+                )  # fmt: skip
                 raise NonFiniteError(
                     f"{where or f'rollout {rollout}'}: {source.description} returned {int(totals[0])} non-finite scores on "
-                    "another rank (its error names them); set scoring.on_nonfinite='drop' to drop such rows"
+                    f"another rank (its error names them); {advice}"
                 )
             return ~bad
         prompts = self.tokenizer.batch_decode(input_ids[:, :-T], skip_special_tokens=True)

@@ -20,9 +20,13 @@ SAMPLES_FILE = "samples.jsonl"  # beside a CSVLogger's metrics.csv
 
 
 def prompts_from_batch(batch: dict[str, torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The first ``n`` prompts of a right-padded SFT batch: real tokens before the response starts."""
-    prompt_mask = batch["attention_mask"].bool() & ~batch["response_mask"].bool()
-    return [row[m].detach().cpu() for row, m in zip(batch["input_ids"][:n], prompt_mask[:n])]
+    """The first ``n`` prompts of a right-padded SFT batch: real tokens before the response starts (the
+    first trained token: a multi-turn response's user turns are untrained but not prompt)."""
+    prompts = []
+    for row, attention, response in zip(batch["input_ids"][:n], batch["attention_mask"][:n], batch["response_mask"][:n]):
+        start = int(response.bool().int().argmax()) if response.any() else len(row)
+        prompts.append(row[:start][attention[:start].bool()].detach().cpu())
+    return prompts
 
 
 def logger_step(trainer: Trainer) -> int:
