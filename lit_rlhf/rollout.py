@@ -38,7 +38,8 @@ class GenerationSettings(Settings):
         top_k: keep only the k most likely tokens (0 = off).
         top_p: nucleus sampling mass (1.0 = off).
         stop_token_ids: extra token ids that end a response besides the tokenizer's EOS.
-        stop_strings: strings that end a response (matched on decoded text by ``generate``).
+        stop_strings: strings that end a response (matched on decoded text by ``generate``); a response
+            that one ends on its last allowed token is not truncated.
         num_samples: K responses sampled per prompt (K >= 1); the rollout holds prompts x K rows, each
             prompt's K rows contiguous. Group estimators (GRPO, RLOO, ...) need K >= 2.
         group_prefill: compute each prompt's prefill once for its K samples and repeat its KV cache K times
@@ -71,7 +72,8 @@ class GenerationSettings(Settings):
             loop where it can stand in for ``generate`` (the same forwards and random draws, hence the same
             tokens and behaviour log-probs, without ``generate``'s per-step cache concatenation, copies and
             processor lists), else ``generate``; ``"lean"`` the lean loop or an error saying why not (stop
-            strings, multi-rank ``synced_gpus``, a model ``generation_config`` adding processors, ...);
+            strings, multi-rank ``synced_gpus``, ...; a model ``generation_config``'s processors never apply to
+            a rollout: ``engines.hf_generate.rollout_generation_config``);
             ``"generate"`` Hugging Face ``generate`` always.
         drop_finished: in the lean loop, drop rows that have stopped from the batch the decoding forwards
             run (their KV cache too), where a row's logits do not depend on which other rows share the

@@ -186,6 +186,9 @@ def test_fallbacks_run_the_whole_layer(tokenizer_dir):
         assert not replaced
     # attention dropout while training: the whole layer (dropout is random per position)
     model = score_model(tokenizer_dir, family_config("llama", attention_dropout=0.1))
+    for module in model.modules():  # score_model's disable_dropout zeroed it
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
     model.train()
     ids, mask = padded_rows(model.config.vocab_size, left=True)
     layer = last_decoder_layer(model)

@@ -263,13 +263,15 @@ def test_unsupported_settings_fall_back_to_generate(tokenizer_dir):
 def test_auto_falls_back_and_lean_says_why(tokenizer_dir):
     tok, model = _model(tokenizer_dir, gpt2_config())
     ids, mask = _prompts(tok, k=1)
-    model.generation_config.no_repeat_ngram_size = 2
-    settings = GenerationSettings(max_new_tokens=6)
-    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+    settings = GenerationSettings(max_new_tokens=6, stop_strings=["od"])
+    with pytest.raises(ValueError, match="stop strings"):
         _generate(model, tok, ids, mask, replace(settings, decode_loop="lean"))
     reference = _generate(model, tok, ids, mask, replace(settings, decode_loop="generate"))
-    auto = _generate(model, tok, ids, mask, settings)  # "auto" runs generate, with its n-gram processor
+    auto = _generate(model, tok, ids, mask, settings)  # "auto" runs generate, which matches the stop string
     _assert_same(reference, auto)
+    # a model file's processors (no_repeat_ngram_size) never reach a rollout: the lean loop runs
+    model.generation_config.no_repeat_ngram_size = 2
+    _assert_same(*_both(model, tok, ids, mask, replace(settings, stop_strings=[])))
     with pytest.raises(ValueError, match="decode_loop must be one of"):
         GenerationSettings(decode_loop="fast")
 

@@ -117,3 +117,15 @@ def test_reward_model_with_another_vocabulary_scores_retokenised_text(
     with torch.no_grad():
         want = sequence_scores(rm.eval(), enc["input_ids"], enc["attention_mask"])
     torch.testing.assert_close(got, want)
+
+
+def test_a_shared_critic_reads_the_lm_heads_input_width(tokenizer_dir, tmp_path):
+    # OPT-350m projects hidden_size 1024 down to word_embed_proj_dim 512 before its LM head: the value head
+    # reads those 512 features (it was sized by hidden_size: a matmul shape error in the first rollout)
+    opt = dict(model_type="opt", vocab_size=322, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=128, word_embed_proj_dim=16)  # fmt: skip
+    module = tiny_ppo(tokenizer_dir, opt, share_critic_backbone=True, max_rollouts=1)
+    assert module.value_head.linear.in_features == 16
+    t = trainer(tmp_path)
+    t.fit(module, prompt_loader(tokenizer_dir, n=8))
+    assert torch.isfinite(t.logged_metrics["ppo/value_loss"])

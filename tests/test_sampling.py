@@ -171,7 +171,10 @@ def test_generate_responses_with_stops_and_no_warning(tokenizer_dir, caplog):
     assert (responses[~response_mask] == tok.pad_token_id).all()
     lengths = response_mask.sum(dim=1)
     stopped = torch.isin(responses, torch.tensor(settings.stop_token_ids)).any(dim=1)
-    assert stopped.any() and torch.equal(truncated, ~stopped & (lengths == 12))
+    # a row whose 12th token holds the "e" was ended by the stop string, not cut by the limit
+    last_has_e = torch.tensor(["e" in tok.decode(r[m][-1:]) for r, m in zip(responses, response_mask)])
+    assert (~stopped & (lengths == 12) & last_has_e).any()
+    assert stopped.any() and torch.equal(truncated, ~stopped & (lengths == 12) & ~last_has_e)
     by_string = ~stopped & (lengths < 12)  # ended by the stop string "e"
     texts = [tok.decode(r[m]) for r, m in zip(responses[by_string], response_mask[by_string])]
     assert texts and all("e" in text for text in texts)

@@ -165,6 +165,35 @@ def test_a_stop_string_ends_a_response_without_truncation(engine, tok):
         assert "e" in texts[i] and not out.truncated[i]
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_not_truncation(engine, tok):
+    ids, mask = prompts(tok, 1)
+    free = engine.generate(ids, mask, GenerationSettings(max_new_tokens=6), greedy=True)
+    rows = [i for i in range(ids.shape[0]) if bool(free.mask[i].all())]  # 6 tokens, no stop id: cut
+    assert rows and bool(free.truncated[rows].all())
+    for i in rows:
+        stop = tok.decode(free.ids[i])  # the whole response: only its 6th token completes it
+        settings = GenerationSettings(max_new_tokens=6, stop_strings=[stop])
+        out = engine.generate(ids[i : i + 1], mask[i : i + 1], settings, greedy=True)
+        assert torch.equal(out.ids[0], free.ids[i]) and not bool(out.truncated[0])
+
+
+def test_the_models_generation_config_does_not_reach_the_samples(engine, tok):
+    # vLLM applies a model folder's generation_config.json (repetition_penalty, min_tokens, ...) only as the
+    # defaults of a generate call without SamplingParams (LLM.get_default_sampling_params): the engine
+    # passes its own, and its folder holds the actor's config.json and tokenizer only
+    import os
+
+    from lit_rlhf.engines.vllm_sampling import sampling_requests
+
+    assert not os.path.exists(os.path.join(engine._folder.name, "generation_config.json"))
+    ids, mask = prompts(tok, 2)
+    for greedy in (False, True):
+        _, params, _ = sampling_requests(ids, mask, GenerationSettings(num_samples=2), tok, greedy)
+        for p in params:
+            assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == (1.0, 0.0, 0.0, 0)
+            assert p.bad_words is None or not p.bad_words
+
+
 def test_greedy_decoding_gives_the_hf_engines_tokens(engine, model, tok):
     settings = GenerationSettings(max_new_tokens=10, stop_token_ids=list(range(3, 12)))
     ids, mask = prompts(tok, 1)

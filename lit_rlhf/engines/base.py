@@ -47,6 +47,38 @@ class Responses(NamedTuple):
     entropy: torch.Tensor | None = None
 
 
+def truncated_rows(
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    has_stop: torch.Tensor,
+    max_new_tokens: int,
+    stop_strings: list[str] | tuple[str, ...] = (),
+    tokenizer: Any = None,
+) -> torch.Tensor:
+    """(B,) bool ``Responses.truncated``: no stop id within ``max_new_tokens`` tokens, nor a stop string's end.
+
+    A stop string that a row's last allowed token completes ends it at full length with no stop id, as a cut
+    row ends. Such a row is not truncated: the decoded text has a stop-string match that overlaps its last
+    token, the match ``generate`` stops at (``transformers`` ``StopStringCriteria``; vLLM looks at the newly
+    decoded text the same way).
+
+    Args:
+        ids: (B, T) response ids; mask: (B, T) bool, the real tokens; has_stop: (B,) bool, a stop id among them.
+        stop_strings, tokenizer: the rollout's stop strings and the tokenizer that decodes them (a row at full
+            length is decoded only when both are given).
+    """
+    truncated = ~has_stop & (mask.sum(dim=1) >= max_new_tokens)  # (B,)
+    if not stop_strings or tokenizer is None or not bool(truncated.any()):
+        return truncated
+    for row in truncated.nonzero().flatten().tolist():
+        tokens = ids[row][mask[row]].tolist()
+        text, before = tokenizer.decode(tokens), tokenizer.decode(tokens[:-1])
+        # a match that ends inside the last token's text (one ending before it would have stopped the row earlier)
+        if any(text.find(s, max(0, len(before) - len(s) + 1)) >= 0 for s in stop_strings):
+            truncated[row] = False
+    return truncated
+
+
 class RolloutEngine(ABC):
     """What generates an online module's responses: Hugging Face ``generate`` on the trainer's own policy
     (:class:`~lit_rlhf.engines.HFEngine`, the default) or another engine (vLLM, a server, a recording).

@@ -12,12 +12,14 @@ T response length (right-padded).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
-from lit_rlhf.engines.base import Responses
+from lit_rlhf.engines.base import Responses, truncated_rows
 from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.decoding import cached_autocast_casts, decoding_lm_head, output_vocab_size
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # lit_rlhf.rollout re-exports this module's functions
 
     from lit_rlhf.rollout import GenerationSettings
 
-__all__ = ["generate_responses", "generation_kwargs", "response_mask_from_tokens"]
+__all__ = ["generate_responses", "generation_kwargs", "response_mask_from_tokens", "rollout_generation_config"]
 
 
 def response_mask_from_tokens(
@@ -160,18 +162,48 @@ def generate_responses(
         if cache is not None:
             # generate continues from it: only the last prompt column is run
             kwargs[cache_argument(model)] = cache
-    lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
-    head = decoding_lm_head(model, settings.decoding_head, rows=input_ids.shape[0])
-    with head, cached_autocast_casts(model):
-        if lean:
-            responses = lean_decode(
-                model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
-                pad_token_id=pad_token_id, recorder=recorder, cache=cache,
-                drop_finished=settings.drops_finished(input_ids.device),
-            )  # fmt: skip
-        else:
-            responses = model.generate(**kwargs)[:, input_ids.shape[1] :]
-    return _responses(responses, stop_ids, pad_token_id, settings.max_new_tokens, recorder)
+    with rollout_generation_config(model):  # the model file's processors (repetition_penalty, ...) stay out
+        lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
+        head = decoding_lm_head(model, settings.decoding_head, rows=input_ids.shape[0])
+        with head, cached_autocast_casts(model):
+            if lean:
+                responses = lean_decode(
+                    model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
+                    pad_token_id=pad_token_id, recorder=recorder, cache=cache,
+                    drop_finished=settings.drops_finished(input_ids.device),
+                )  # fmt: skip
+            else:
+                responses = model.generate(**kwargs)[:, input_ids.shape[1] :]
+    return _responses(responses, stop_ids, pad_token_id, settings, recorder, tokenizer)
+
+
+# the model generation_config fields a rollout keeps: token ids (generate's eos_token_id is set per call to the
+# rollout's stop ids, which include the config's further stops: online_generation.with_model_stops)
+_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+@contextmanager
+def rollout_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block ``model``'s ``generation_config`` holds its token ids only (:data:`_ID_FIELDS`).
+
+    ``generate`` fills every field a call leaves unset from the model's ``generation_config``, even into a
+    ``generation_config`` argument (``GenerationMixin._prepare_generation_config``, ``defaults_only``): a model
+    file's ``repetition_penalty`` (Qwen2.5-Instruct ships 1.05), ``no_repeat_ngram_size``, ``min_new_tokens``,
+    ``bad_words_ids``, ... would add logits processors, and the rollout would not be sampled from the policy
+    the trainer scores. The rollout's own settings come as ``generate``'s arguments (:func:`generation_kwargs`);
+    the model keeps its file for evaluation and export. The config is swapped on the module that holds it (the
+    base model under peft or an FSDP1 wrapper).
+    """
+    owner = next((m for m in model.modules() if "generation_config" in vars(m)), None)
+    original = None if owner is None else owner.generation_config
+    if original is None:
+        yield
+        return
+    owner.generation_config = GenerationConfig(**{k: getattr(original, k, None) for k in _ID_FIELDS})
+    try:
+        yield
+    finally:
+        owner.generation_config = original
 
 
 def _uses_lean_loop(model: torch.nn.Module, kwargs: dict, decode_loop: str) -> bool:
@@ -192,15 +224,18 @@ def _responses(
     responses: torch.Tensor,
     stop_ids: list[int],
     pad_token_id: int,
-    max_new_tokens: int,
+    settings: GenerationSettings,
     recorder: BehaviourRecorder | None,
+    tokenizer: object | None,
 ) -> Responses:
     """(B, T) generated ids -> the ``Responses`` of :func:`generate_responses`, with the behaviour
     log-probs of the sampling ``recorder`` (None: greedy decoding, no log-probs)."""
     response_mask, has_stop = response_mask_from_tokens(responses, stop_ids, pad_token_id)
-    lengths = response_mask.sum(dim=1)
-    # A row without a stop id that ended early was stopped by a stop string.
-    truncated = ~has_stop & (lengths >= max_new_tokens)
+    # A row without a stop id that ended early was stopped by a stop string; one at full length may have
+    # been too (on its last allowed token): truncated_rows decodes those.
+    truncated = truncated_rows(
+        responses, response_mask, has_stop, settings.max_new_tokens, settings.stop_strings, tokenizer
+    )
     if recorder is None:
         return Responses(responses, response_mask, truncated)
     logprobs, log_kept_mass, entropy = recorder.behaviour(responses)  # (B, T) each (entropy or None)

@@ -25,7 +25,9 @@ position ids, a cache continued after a shared group prefill, EOS and stop ids, 
 temperature/top-k/top-p, both samplers, greedy. :func:`lean_unsupported` says when ``generate`` must run
 instead: stop strings (matched on decoded text), ``synced_gpus``, encoder-decoder models, peft prompt
 learning, and a model ``generation_config`` that would add logits processors, warpers, stopping criteria
-or another cache (any field beyond the token ids and lengths).
+or another cache (any field beyond the token ids and lengths; ``generate_responses`` runs with the model's
+config reduced to its token ids, ``hf_generate.rollout_generation_config``, so a model file's
+``repetition_penalty`` and the like never reach a rollout).
 
 Shapes: B rows, P prompt length (left-padded), N = max_new_tokens, T <= N response length.
 """

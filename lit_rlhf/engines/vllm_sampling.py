@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lit_rlhf.engines.base import Responses
+from lit_rlhf.engines.base import Responses, truncated_rows
 from lit_rlhf.engines.vllm_processor import kept_mass_lookup, warp_args
 from lit_rlhf.models.prefill import is_grouped
 
@@ -71,8 +71,9 @@ def responses_from_outputs(
     """vLLM's ``RequestOutput`` list (one per request of ``requests``, ``n`` completions each, in request
     order) as the Hugging Face engine's ``Responses``: (B, T) ids padded with the pad id after each
     response, the mask of its tokens (up to and including the stop id), truncated = no stop id within
-    ``max_new_tokens``, the sampled tokens' log-probs under the distribution they were drawn from and the
-    log of the tempered mass that distribution kept (from ``vllm_processor.RECORDS``; both None when greedy).
+    ``max_new_tokens`` and no stop string completed by the last token (``truncated_rows``), the sampled
+    tokens' log-probs under the distribution they were drawn from and the log of the tempered mass that
+    distribution kept (from ``vllm_processor.RECORDS``; both None when greedy).
 
     Raises:
         RuntimeError: vLLM returned fewer completions or log-probs than asked, or a step's kept mass was
@@ -102,7 +103,8 @@ def responses_from_outputs(
             log_kept_mass[row, : len(tokens)] = torch.tensor([record[t] for t in range(len(tokens))])
     stop_ids = torch.tensor([tokenizer.eos_token_id, *settings.stop_token_ids])
     has_stop = (torch.isin(ids, stop_ids) & mask).any(dim=1)  # (B,)
-    truncated = ~has_stop & (mask.sum(dim=1) >= settings.max_new_tokens)  # (B,)
+    # a stop string completed by the last allowed token ends a row at full length without a stop id
+    truncated = truncated_rows(ids, mask, has_stop, settings.max_new_tokens, settings.stop_strings, tokenizer)
     to = dict(device=device)
     return Responses(
         ids.to(**to), mask.to(**to), truncated.to(**to),

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from lit_rlhf.guards import check_finite_weights
+from lit_rlhf.models.folders import adapter_base, check_one_label, load_pretrained
 from lit_rlhf.models.last_layer import set_scored_last_layer
 from lit_rlhf.models.lm_head import set_logits_chunking
 from lit_rlhf.models.spec import ModelSpec
@@ -172,7 +173,9 @@ def _refuse_lora_on_tied_embeddings(model: PreTrainedModel, lora: dict) -> None:
 
 def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
     """Actor / reference / SFT model: ``AutoModelForCausalLM`` from a folder or hub id, or from an
-    inline config (random init seeded by ``spec.seed``), prepared for ``tokenizer``.
+    inline config (random init seeded by ``spec.seed``), prepared for ``tokenizer``. A saved peft adapter
+    folder is merged into its base at load (``lit_rlhf.models.folders``): the model starts as the
+    adapter's policy, fully trainable, or with new adapters on top when ``spec.lora`` is set.
 
     Returns a ``PreTrainedModel``, or a peft ``PeftModelForCausalLM`` when ``spec.lora`` is set.
     """
@@ -184,9 +187,7 @@ def build_causal_lm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn.M
                 trust_remote_code=spec.trust_remote_code,
             )
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code
-            )
+            model = load_pretrained(AutoModelForCausalLM, spec)
         model = _prepare(model, spec, tokenizer, "CAUSAL_LM")
     set_logits_chunking(model, spec.logits_chunking, spec.fused_lm_head)
     set_scored_last_layer(model, spec.scored_last_layer)
@@ -198,7 +199,9 @@ def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn
     """Reward model or critic: ``AutoModelForSequenceClassification`` with ``num_labels=1``.
 
     From a causal-LM folder the backbone is loaded and the ``score`` head is new (seeded by
-    ``spec.seed``); from a reward-model export the whole model, head included, is loaded. Returns a
+    ``spec.seed``); from a reward-model export the whole model, head included, is loaded (a classifier
+    with other than one label is refused: ValueError naming the folder); a peft adapter folder is merged
+    into its base, as in :func:`build_causal_lm`. Returns a
     ``PreTrainedModel``, or a peft ``PeftModelForSequenceClassification`` when ``spec.lora`` is set.
     """
     with _seeded(spec.seed):
@@ -209,12 +212,8 @@ def build_score_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> nn
                 trust_remote_code=spec.trust_remote_code,
             )
         else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                spec.name_or_path,
-                num_labels=1,
-                dtype=spec.torch_dtype,
-                trust_remote_code=spec.trust_remote_code,
-            )
+            check_one_label(adapter_base(spec.name_or_path) or spec.name_or_path, spec.trust_remote_code)
+            model = load_pretrained(AutoModelForSequenceClassification, spec, num_labels=1)
         model = _prepare(model, spec, tokenizer, "SEQ_CLS")
     set_scored_last_layer(model, spec.scored_last_layer)
     model._lit_rlhf_position_limit = learned_position_limit(model)
@@ -261,13 +260,33 @@ def reference_logits_context(actor: nn.Module) -> Iterator[None]:
         yield
 
 
+# A dropout probability kept as a float, not an nn.Dropout: OPT's ``dropout`` and ``layerdrop``, Llama's and
+# most decoders' attention ``attention_dropout`` (applied inside the attention kernel), ``activation_dropout``,
+# GPT-2's config ``attn_pdrop``. Modules copy them from the config at init, so the config alone is not enough.
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
+
+
+def _zero_float_dropouts(owner: object) -> None:
+    """Set ``owner``'s float attributes named like a dropout probability (:data:`_DROPOUT_NAME`) to 0."""
+    for name, value in list(vars(owner).items()):
+        if isinstance(value, float) and _DROPOUT_NAME.search(name):
+            setattr(owner, name, 0.0)
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Set every dropout probability to 0: PPO's ratio must be exactly 1 before the first update, and
-    the rollout and update forwards must describe the same policy (standard practice, e.g. TRL)."""
+    the rollout and update forwards must describe the same policy (standard practice, e.g. TRL).
+
+    Zeroes every ``nn.Dropout``, the float probabilities modules copy from the config at init (OPT's
+    ``dropout``/``layerdrop``, attention modules' ``attention_dropout``, ...) and the config's own
+    (its text config's too)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        _zero_float_dropouts(module)
     config = getattr(model, "config", None)
-    for name in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
-        if config is not None and hasattr(config, name):
-            setattr(config, name, 0.0)
+    if config is not None:
+        _zero_float_dropouts(config)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config:
+            _zero_float_dropouts(text)

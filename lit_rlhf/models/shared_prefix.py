@@ -13,7 +13,8 @@ the same prompt, L' the packed width (longest prompt + its responses), T the res
 The custom mask goes through ``transformers`` as is (a 4D mask skips its mask creation, see
 ``masking_utils._preprocess_mask_arguments``): ``sdpa`` takes a bool mask (True = attend), ``eager``
 an additive float one (0 or the dtype's min). Other attention implementations (flash-attention needs
-packed-sequence kwargs, flex a BlockMask) are not supported: :func:`unsupported_reason` says why and the
+packed-sequence kwargs, flex a BlockMask) are not supported, nor are architectures outside
+``SHARED_PREFIX_MODEL_TYPES`` or with windowed attention: :func:`unsupported_reason` says why and the
 callers use the padded layout.
 """
 
@@ -30,6 +31,7 @@ from lit_rlhf.models.lm_head import chunkable_head, final_hidden_states, head_se
 from lit_rlhf.models.scoring import scatter_tokens, token_values
 
 __all__ = [
+    "SHARED_PREFIX_MODEL_TYPES",
     "SHARED_PREFIX_MODES",
     "SharedPrefixLayout",
     "check_shared_prefix_mode",
@@ -47,6 +49,19 @@ __all__ = [
 
 SHARED_PREFIX_MODES = ("auto", "on", "off")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Architectures whose packed log-probs (causal LM) and scores (sequence classifier) were measured equal to
+# the padded layout's (<= 8e-6 in float32, transformers 5.25; tests/test_shared_prefix_archs.py re-measures
+# every one): they take a 4D mask as is and place each token by its position ids. Others are refused
+# (``auto`` keeps the padded layout): ALiBi biases (BLOOM, MPT, Falcon with alibi) come from the 2D mask, not
+# the position ids (BLOOM and Falcon crash on a 4D mask, MPT gives other log-probs), and
+# FalconForSequenceClassification does not pass position_ids to its backbone.
+SHARED_PREFIX_MODEL_TYPES = frozenset(
+    {
+        "codegen", "cohere", "gemma", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gptj", "granite",
+        "llama", "mistral", "mixtral", "olmo", "olmo2", "opt", "persimmon", "phi", "phi3", "qwen2", "qwen2_moe",
+        "qwen3", "stablelm", "starcoder2",
+    }
+)  # fmt: skip
 # ``auto`` packs a batch when its estimated forward cost is at most this share of the padded one: the
 # packed forward pays for the gathers and a dense (G, L', L') mask that the estimate leaves out. And only
 # when the prompts are at least as long as the responses (mean real lengths): below that the packed step
@@ -294,13 +309,34 @@ def sliding_window(model: nn.Module) -> int | None:
     return None if types is not None and "sliding_attention" not in types else int(window)
 
 
+def _architecture_reason(model: nn.Module) -> str | None:
+    """Why ``model``'s architecture cannot run the layout: a ``model_type`` not in
+    :data:`SHARED_PREFIX_MODEL_TYPES`, or GPT-Neo with local (windowed) attention layers."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SHARED_PREFIX_MODEL_TYPES:
+        return (
+            f"model_type {model_type!r} (the shared-prompt layout is vouched for only on the architectures of "
+            "lit_rlhf.models.shared_prefix.SHARED_PREFIX_MODEL_TYPES; ALiBi models such as BLOOM and MPT ignore "
+            "its position ids, Falcon's sequence classifier drops them)"
+        )
+    if model_type == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+        window = getattr(config, "window_size", None)
+        return f"GPT-Neo local attention layers (window {window}; the shared-prompt layout's block mask has none)"
+    return None
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot run the shared-prompt layout (None when it can): its attention implementation,
-    or a sliding window (the block mask holds no window, so a response would see prompt tokens its own
-    padded row does not: other scores and log-probs)."""
+    a sliding window or GPT-Neo's local layers (the block mask holds no window, so a response would see
+    prompt tokens its own padded row does not: other scores and log-probs), or an architecture the layout
+    is not vouched for (:data:`SHARED_PREFIX_MODEL_TYPES`)."""
     window = sliding_window(model)
     if window is not None:
         return f"sliding-window attention (window {window}; the shared-prompt layout's block mask has none)"
+    architecture = _architecture_reason(model)
+    if architecture is not None:
+        return architecture
     if mask_dtype(model) is None:
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
         return (
@@ -326,7 +362,7 @@ def refuse_unsupported_shared_prefix(argument: str, mode: str, **models: nn.Modu
 
 def layout_fits(model: nn.Module, layout: SharedPrefixLayout) -> bool:
     """Whether ``layout``'s mask is the one ``model`` takes (a reference may differ from the actor)."""
-    return mask_dtype(model) == layout.attention_mask.dtype and sliding_window(model) is None
+    return mask_dtype(model) == layout.attention_mask.dtype and unsupported_reason(model) is None
 
 
 def forward_cost(model: nn.Module, rows: int, width: int, head_positions: int) -> float:

@@ -217,7 +217,9 @@ class OnlineRLModule(
         actor = ModelSpec.coerce(actor, "actor")
         self.actor_lora = actor.lora is not None
         self.tokenizer_source = actor.tokenizer or actor.name_or_path
-        self.tokenizer = load_tokenizer(self.tokenizer_source, padding_side="left")
+        self.tokenizer = load_tokenizer(
+            self.tokenizer_source, padding_side="left", trust_remote_code=actor.trust_remote_code
+        )
         self._init_seed, self._init_rng_state = self.rng_seed, None
         with self.seeded_init():  # seeded, so a resumed run rebuilds identical frozen models
             self.actor = build_causal_lm(actor, self.tokenizer)

@@ -225,7 +225,9 @@ class ScoringSettings(Settings):
             ``[prompt | r1 | ... | rK]`` with a block attention mask, ``models.shared_prefix``) in the actor
             and reference forwards. ``auto`` packs a batch when its estimated cost falls below 0.75 of the
             padded one and the module's forwards have a packed form (not PPO's critic); ``on`` always packs
-            (refused where the forwards have no packed form).
+            (refused where the forwards have no packed form). Either only where the model can run the layout
+            (``models.shared_prefix.unsupported_reason``: sdpa/eager attention, no sliding window, an
+            architecture of ``SHARED_PREFIX_MODEL_TYPES``); ``on`` is refused elsewhere.
         score_clip: clip the sequence scores to [-score_clip, score_clip] (None = off).
         missing_eos_penalty: subtracted from the score of a response truncated without a stop token.
         on_nonfinite: what a NaN/inf score of the reward model or function does: ``raise`` (the fit stops,

@@ -86,7 +86,9 @@ class PPOModule(OnlineRLModule):
         self.factories = ((actor_optimizer, actor_scheduler), (critic_optimizer, critic_scheduler))
         with self.seeded_init():  # the stream the actor, reference and reward model were built from
             if share_critic_backbone:
-                self.critic, self.value_head = None, ValueHead(self.actor.config.hidden_size)
+                # it reads the LM head's input: OPT projects hidden_size to word_embed_proj_dim before the head
+                width = self.actor.get_output_embeddings().weight.shape[1]
+                self.critic, self.value_head = None, ValueHead(width)
             else:
                 critic_spec = self.shares_tokenizer(critic or self.rewards.model_spec or actor, "critic")
                 self.critic, self.value_head = build_score_model(critic_spec, self.tokenizer), None

@@ -56,7 +56,7 @@ class SingleModelModule(LightningModule):
         self.spec = spec
         plain_hparams(self, model=dataclasses.asdict(spec))  # hparams.yaml readable by Lightning
         self.tokenizer_source = spec.tokenizer or spec.name_or_path
-        self.tokenizer = load_tokenizer(self.tokenizer_source)
+        self.tokenizer = load_tokenizer(self.tokenizer_source, trust_remote_code=spec.trust_remote_code)
         self.model = build(spec, self.tokenizer)
         # Frozen LoRA base weights are reloaded from the spec on resume instead of checkpointed.
         self.strict_loading = spec.lora is None
