@@ -114,6 +114,14 @@ class GenerationSettings(Settings):
             value = getattr(self, name)
             self.require(name, isinstance(value, numbers.Real) and not isinstance(value, bool), "a number")
         self.require_finite("temperature")  # NaN passes every comparison below; inf samples uniformly
+        # a bare string would be read character by character, and "" ends every response at once
+        ok = isinstance(self.stop_strings, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop_strings)
+        self.require("stop_strings", ok, "a list of non-empty strings")
+        ok = isinstance(self.stop_token_ids, (list, tuple)) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        )
+        self.require("stop_token_ids", ok, "a list of token ids (integers >= 0)")
+        self.stop_strings, self.stop_token_ids = list(self.stop_strings), [int(t) for t in self.stop_token_ids]
         if self.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:

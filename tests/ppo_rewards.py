@@ -69,3 +69,8 @@ def math_task(completions: list[str], task: list[str], **kwargs) -> list[float |
 def code_task(completions: list[str], task: list[str], **kwargs) -> list[float | None]:
     """The other task of :func:`math_task`: 1.0 on its rows, NaN (a real non-finite score) on 'broken' ones."""
     return [1.0 if t == "code" else float("nan") if t == "broken" else None for t in task]
+
+
+def constant(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 for every response: every online-DPO prompt is a tie."""
+    return [1.0] * len(responses)

@@ -297,3 +297,32 @@ def test_precompute_rows_without_log_probs_are_still_named(tiny_data, tmp_path):
     broken = data.val_dataset.map(lambda row: {"row_index": 0})  # every pair claims row 0
     with pytest.raises(RuntimeError, match=r"rows of the val split got no reference log-probs.*row_index out of order"):
         module._score_dataset(broken, data.collator, 16, "val")
+
+
+def test_another_held_out_set_after_fit_is_not_read_from_the_fits_tables(tiny_data, tmp_path):
+    """The precomputed tables are looked up by row: after fit (the reference freed), validating on another
+    data module's rows is refused instead of reading the fit's val rows' log-probs."""
+    module = _dpo(tiny_data, precompute_ref_logprobs=True)
+    trainer = _trainer(tmp_path, max_steps=1, enable_checkpointing=False)
+    trainer.fit(module, _data(tiny_data))
+    other = _data(tiny_data, val_path=f"{tiny_data}/prefs_test.jsonl", val_split="train[:20]")
+    with pytest.raises(RuntimeError, match="the val split is not one scored when the fit started"):
+        trainer.validate(module, other, verbose=False)
+
+
+def test_fit_then_test_with_a_test_split_of_the_training_source(tiny_data, tmp_path):
+    data = _data(tiny_data, split="train[:120]", test_split="train[120:]")
+    module = _dpo(tiny_data, precompute_ref_logprobs=True)
+    trainer = _trainer(tmp_path, max_steps=1, enable_checkpointing=False)
+    trainer.fit(module, data)
+    assert "test" in module.ref_logps  # scored at fit start, before the reference was freed
+    assert "test/loss" in trainer.test(module, data, verbose=False)[0]
+
+
+def test_precomputed_reference_under_bf16_mixed_matches_the_policy(tiny_data, tmp_path):
+    """Scored under the precision's autocast like the policy: an untrained policy's loss is exactly log 2."""
+    module = _dpo(tiny_data, precompute_ref_logprobs=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    trainer = _trainer(tmp_path, max_steps=1, enable_checkpointing=False, precision="bf16-mixed")
+    data = _data(tiny_data)
+    trainer.fit(module, data)
+    assert trainer.validate(module, data, verbose=False)[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-6)

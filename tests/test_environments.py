@@ -4,6 +4,7 @@ episode ends, the episode limits, the loss on a multi-turn rollout, and the erro
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -608,3 +609,119 @@ def test_a_tool_call_with_arguments_of_other_types_than_the_schema_is_answered_w
     assert wrong.tool_error and "multiply: argument 'a' must be of type integer, got '3'" in wrong.observation
     right = env.step('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>')
     assert not right.tool_error and "12" in right.observation
+
+
+# ------------------------------------------------------------------ what environments see and return
+def _scripted_engine(turn: list[int]):
+    """An engine whose every turn is ``turn`` (token ids)."""
+    from lit_rlhf.engines import Responses
+
+    def engine(ids, mask, settings, greedy=False):
+        out = torch.tensor([turn] * ids.shape[0])[:, : settings.max_new_tokens]
+        return Responses(out, torch.ones_like(out, dtype=torch.bool), torch.zeros(ids.shape[0], dtype=torch.bool),
+                         logprobs=-torch.ones(out.shape), log_kept_mass=torch.zeros(out.shape))  # fmt: skip
+
+    return engine
+
+
+def test_tool_tags_that_are_special_tokens_reach_the_environment(tokenizer_dir):
+    """Some tokenizers mark the tool tags special (Mistral's [TOOL_CALLS]); the turn's text keeps them, so the
+    call runs (before, they were skipped in decoding and the call was taken for the final answer)."""
+    from lit_rlhf.environments import EnvironmentSettings, ToolEnvironment, open_episodes, run_episodes
+    from lit_rlhf.models.tokenizer import load_tokenizer
+    from lit_rlhf.rollout import GenerationSettings
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor.
+            b: the second factor.
+        """
+        return a * b
+
+    seen = []
+
+    class Calc(ToolEnvironment):
+        tools = [multiply]
+
+        def step(self, response):
+            seen.append(response)
+            return super().step(response)
+
+    call = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+    turn = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    settings = EnvironmentSettings(env="x:Calc", max_turns=2)
+    prompt = torch.tensor([tok("the food", add_special_tokens=False)["input_ids"]])
+    envs, ids, mask = open_episodes(Calc, settings, [{"prompt": "the food"}], tok, prompt, torch.ones_like(prompt))
+    episodes = run_episodes(_scripted_engine(turn), tok, envs, ids, mask, GenerationSettings(max_new_tokens=64), settings)
+    assert seen[0] == call and episodes.tool_calls.tolist() == [2]
+
+
+def test_numpy_flags_are_taken_like_bools():
+    import numpy as np
+
+    from lit_rlhf.environments.base import StepResult, check_step
+
+    result = check_step(StepResult(None, np.float32(1.0), done=np.isclose(3.0, 3.0), tool_call=np.int64(0)), "env")
+    assert result.done is True and result.tool_call is False and result.reward == 1.0
+
+
+def test_chat_messages_from_reset_without_a_chat_template_use_the_plain_rendering(tokenizer_dir):
+    from lit_rlhf.data.render import plain_chat
+    from lit_rlhf.environments import EnvironmentSettings, open_episodes
+    from lit_rlhf.environments.base import Environment, StepResult
+    from lit_rlhf.models.tokenizer import load_tokenizer
+
+    class Chat(Environment):
+        def reset(self, row):
+            return [{"role": "user", "content": "the food"}]
+
+        def step(self, response):
+            return StepResult(None, 0.0, done=True)
+
+    tok = load_tokenizer(tokenizer_dir)
+    prompt = torch.tensor([[5, 6]])
+    _, ids, mask = open_episodes(Chat, EnvironmentSettings(env="x:Chat"), [{}], tok, prompt, torch.ones_like(prompt))
+    expected = tok(plain_chat([{"role": "user", "content": "the food"}], True), add_special_tokens=False)["input_ids"]
+    assert ids[0][mask[0].bool()].tolist() == expected
+
+
+class RandomUser(Environment):
+    """A simulated user that draws from Python's ``random``: a random observation, then a random reward."""
+
+    def reset(self, row):
+        self.turn = 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult(" " + random.choice(["the food", "we", "it was", "a room"]))
+        return StepResult(None, reward=float(random.randint(0, 3)), done=True)
+
+
+def test_an_environment_drawing_from_pythons_random_resumes_exactly(tokenizer_dir, tmp_path, prompt_file):
+    """Checkpoints hold Python's and NumPy's RNG states with torch's (before, only torch's: the resumed
+    episodes drew other observations and rewards)."""
+    import lightning.pytorch as pl
+    from test_ppo import StopAfter
+
+    from lit_rlhf.data import PromptDataModule
+
+    def run(root, callbacks=(), ckpt_path=None):
+        pl.seed_everything(0, verbose=False)  # as LightningCLI at every start, resumed or not
+        module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=4,
+                                  environment={"env": "test_environments:RandomUser", "max_turns": 2, "max_total_tokens": 32},
+                                  generation={"max_new_tokens": 4, "num_samples": 2}, update={"epochs": 1, "num_minibatches": 1})  # fmt: skip
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), max_prompt_length=16, batch_size=2, seed=3)
+        trainer(root, callbacks=list(callbacks), default_root_dir=str(root)).fit(module, data, ckpt_path=ckpt_path)
+        return read_metrics(root)
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "part", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
+    for key in ("rollout/env_reward", "rollout/observation_tokens"):
+        assert [r[key] for r in full[2:]] == [r[key] for r in resumed], key

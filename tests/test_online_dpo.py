@@ -321,3 +321,17 @@ def test_a_run_resumed_with_another_beta_uses_it(tokenizer_dir, tmp_path, prompt
     run(tmp_path / "part", 0.1, callbacks=[StopAfter(2)])
     resumed = run(tmp_path / "resumed", 1.0, ckpt_path=str(tmp_path / "part" / "mid.ckpt"))
     assert [r["dpo/beta"] for r in resumed] == [1.0]
+
+
+def test_a_minibatch_of_ties_takes_no_step_and_logs_no_dpo_statistics(tokenizer_dir, tmp_path):
+    """Every prompt ties (a constant reward): no minibatch has a pair. Before, each still stepped AdamW (its
+    momentum and weight decay moved the policy) and logged zeros as the DPO loss and accuracy."""
+    module = tiny_online_dpo(tokenizer_dir, reward_fn="ppo_rewards:constant", max_rollouts=2,
+                             update={"num_minibatches": 2})  # fmt: skip
+    before = [p.detach().clone() for p in module.actor.parameters()]
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
+    assert all(torch.equal(p, b) for p, b in zip(module.actor.parameters(), before)), "a tie moved the policy"
+    for row in read_metrics(tmp_path):
+        assert row["dpo/ties"] == 4 and row["dpo/skipped_minibatches"] == 1.0
+        assert "dpo/loss" not in row and "dpo/rewards/accuracies" not in row
+        assert "dpo/policy_kl" in row  # the drift statistics are still measured

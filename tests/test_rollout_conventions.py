@@ -121,3 +121,17 @@ def test_a_rollout_ended_by_a_stop_string_at_the_limit_is_not_truncated(tokenize
         out = greedy(limit, [stop])
         assert int(out.mask.sum()) == 6 and torch.equal(out.ids[0, :6], free.ids[0])
         assert not bool(out.truncated[0])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("stop_strings", "</answer>"), ("stop_strings", [""]), ("stop_strings", [3]), ("stop_token_ids", [2.5]),
+     ("stop_token_ids", 7), ("stop_token_ids", [-1])],
+)  # fmt: skip
+def test_stop_settings_of_the_wrong_kind_are_refused(field, value):
+    """A bare string was read character by character (every character a stop string), "" ended every
+    response after one token."""
+    from lit_rlhf.rollout import GenerationSettings
+
+    with pytest.raises(ValueError, match=f"generation.{field} must be a list of"):
+        GenerationSettings(**{field: value})

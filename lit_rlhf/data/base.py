@@ -162,8 +162,8 @@ class RLHFDataModule(LightningDataModule):
         that each rank's ``setup`` then reads instead of repeating the work."""
         hp = self.hparams
         self._encode(hp.train_path, hp.split)
-        if self._held_out("val") is not None:
-            self._encode(*self._held_out("val"))
+        if self.held_out("val") is not None:
+            self._encode(*self.held_out("val"))
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -173,7 +173,7 @@ class RLHFDataModule(LightningDataModule):
             return
         hp = self.hparams
         train = self._encode(hp.train_path, hp.split)
-        val, held_out = None, self._held_out("val")
+        val, held_out = None, self.held_out("val")
         val_source = hp.train_path if held_out is None else held_out[0]
         if held_out is not None:
             val = self._encode(*held_out)
@@ -184,12 +184,12 @@ class RLHFDataModule(LightningDataModule):
 
     def _setup_test(self) -> None:
         """The test split (``lit-rlhf test`` / ``trainer.test``): ``test_path``, read like ``train_path``."""
-        held_out = self._held_out("test")
+        held_out = self.held_out("test")
         if self.test_dataset is None and held_out is not None:
             test = self._encode(*held_out)
             self.test_dataset = self._apply_length_policy(test, "test", held_out[0])
 
-    def _held_out(self, stage: Literal["val", "test"]) -> tuple[str, str] | None:
+    def held_out(self, stage: Literal["val", "test"]) -> tuple[str, str] | None:
         """(source, split) of the validation or test rows: ``<stage>_path`` with ``<stage>_split`` (default
         ``split``); without a path, ``<stage>_split`` of ``train_path`` (e.g. a hub dataset's "test" split,
         or the slice "train[90%:]" of a local file); None when neither is set."""

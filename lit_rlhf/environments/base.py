@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from lit_rlhf.reward_fns import import_object
 
 __all__ = ["Environment", "StepResult", "check_reset", "check_step", "import_environment"]
@@ -130,8 +132,8 @@ def check_step(value: Any, where: str) -> StepResult:
         )
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise ValueError(f"{where}: the reward must be a finite number, got {reward!r}")
-    for name in ("done", "tool_call", "tool_error"):
-        if not isinstance(getattr(value, name), (bool, int)):
+    for name in ("done", "tool_call", "tool_error"):  # numpy's bools and ints too (np.isclose(...) is one)
+        if not isinstance(getattr(value, name), (bool, numbers.Integral, np.bool_)):
             raise TypeError(f"{where}: {name} must be a bool, got {getattr(value, name)!r}")
     return value._replace(reward=float(reward), done=bool(value.done), tool_call=bool(value.tool_call),
                           tool_error=bool(value.tool_error))  # fmt: skip

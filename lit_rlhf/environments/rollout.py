@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lit_rlhf.data.render import plain_chat
 from lit_rlhf.engines.base import Responses
 from lit_rlhf.environments.base import Environment, check_reset, check_step
 from lit_rlhf.environments.settings import EnvironmentSettings
@@ -109,7 +110,15 @@ def open_episodes(
             prompt_ids.append(tokenizer(opened)["input_ids"])
         else:  # chat messages, with the environment's tools
             tools = getattr(env, "tools", None) or None
-            text = tokenizer.apply_chat_template(opened, tools=tools, add_generation_prompt=True, tokenize=False)
+            if tokenizer.chat_template is None:  # the data's plain rendering ("User: ...\n\nAssistant:")
+                if tools:
+                    raise ValueError(
+                        f"{name}: reset of episode {i} returned chat messages with tools, and the tokenizer has no"
+                        " chat template to show the tools to the model; give the tokenizer one"
+                    )
+                text = plain_chat(opened, add_generation_prompt=True)
+            else:
+                text = tokenizer.apply_chat_template(opened, tools=tools, add_generation_prompt=True, tokenize=False)
             prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     for start in range(0, len(prompt_ids), group_size):
         if any(ids != prompt_ids[start] for ids in prompt_ids[start : start + group_size]):
@@ -186,6 +195,14 @@ def run_episodes(
     return _assemble(state, pad, device, greedy)
 
 
+def turn_text(tokenizer, ids: torch.Tensor) -> str:
+    """A model turn's text for the environment: without the EOS and pad tokens that end it, but with every
+    other special token (tool tags such as Mistral's ``[TOOL_CALLS]`` are special tokens in some
+    tokenizers; a ``ToolEnvironment`` must see them)."""
+    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return tokenizer.decode([t for t in ids.tolist() if t not in ends], skip_special_tokens=False)
+
+
 class _Episode:
     """One episode's transcript so far: segments of token ids, each the model's or the environment's."""
 
@@ -239,7 +256,7 @@ def _play_turn(
         episode.ended, episode.last_turn_truncated = ENDED.index("length"), True
         return False
     try:
-        result = env.step(tokenizer.decode(ids, skip_special_tokens=True))
+        result = env.step(turn_text(tokenizer, ids))
     except Exception as err:
         raise RuntimeError(f"environment {type(env).__qualname__}: step of {where} raised {type(err).__name__}: {err}") from err
     result = check_step(result, f"environment {type(env).__qualname__} ({where})")

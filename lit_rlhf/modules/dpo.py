@@ -131,6 +131,7 @@ class DPOModule(SingleModelModule):
         refuse_unsupported_shared_prefix("DPOModule: shared_prefix", shared_prefix, model=self.model, reference=self.reference)
         # split -> (rows, 2) float32 reference log-probs (chosen, rejected) summed over the response
         self.ref_logps: dict[str, torch.Tensor] = {}
+        self._ref_sources: dict[str, tuple[int, str]] = {}  # split -> (rows, fingerprint) of the scored data
         self._reference_released = False
         metrics = (*DPO_METRICS, NLL_METRIC)
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in metrics})
@@ -228,14 +229,25 @@ class DPOModule(SingleModelModule):
                 "DPOModule(precompute_ref_logprobs=True) reads the whole data set from a data module with "
                 "`train_dataset`, `val_dataset` and `collator` (PreferenceDataModule); pass one to the Trainer"
             )
-        if self._reference_released:
-            raise RuntimeError("DPOModule: the reference was freed after precomputing; build a new module")
         for split in splits:
             dataset = getattr(datamodule, f"{split}_dataset", None)
-            if dataset is not None and split not in self.ref_logps:
+            if dataset is None:
+                continue
+            # the tables are looked up by row: another data set under the split's name is scored anew
+            source = (len(dataset), str(getattr(dataset, "_fingerprint", id(dataset))))
+            if self._ref_sources.get(split) == source:
+                continue
+            if self._reference_released:
+                raise RuntimeError(
+                    f"DPOModule(precompute_ref_logprobs=True): the {split} split is not one scored when the fit"
+                    f" started, and the reference was freed after precomputing; build a new module (or give the"
+                    f" data module this {split} split before fit)"
+                )
+            with self.trainer.precision_plugin.forward_context():  # as the policy's forwards (bf16-mixed)
                 self.ref_logps[split] = self._score_dataset(
                     dataset, datamodule.collator, datamodule.hparams.batch_size, split
                 )
+            self._ref_sources[split] = source
 
     @torch.no_grad()
     def _score_dataset(self, dataset: Dataset, collator: Any, batch_size: int, split: str = "train") -> torch.Tensor:
@@ -291,7 +303,8 @@ class DPOModule(SingleModelModule):
     def on_fit_start(self) -> None:
         if self.hparams.precompute_ref_logprobs:
             datamodule = self.trainer.datamodule
-            if getattr(getattr(datamodule, "hparams", None), "test_path", None) is not None:
+            held_out = getattr(datamodule, "held_out", None)
+            if held_out is not None and held_out("test") is not None:
                 datamodule.setup("test")  # scored now too: fit() then test() on this module needs no reference
             self._precompute(("train", "val", "test"))
             # the reference leaves memory (a LoRA policy's adapters simply stay enabled)
@@ -299,12 +312,12 @@ class DPOModule(SingleModelModule):
 
     @override
     def on_validation_start(self) -> None:
-        if self.hparams.precompute_ref_logprobs and "val" not in self.ref_logps:
-            self._precompute(("val",))  # validate() without fit()
+        if self.hparams.precompute_ref_logprobs:
+            self._precompute(("val",))  # validate() without fit(), or with another data module
 
     @override
     def on_test_start(self) -> None:
-        if self.hparams.precompute_ref_logprobs and "test" not in self.ref_logps:
+        if self.hparams.precompute_ref_logprobs:
             self._precompute(("test",))
 
     # -- Lightning hooks ---------------------------------------------------------------------------

@@ -188,7 +188,7 @@ class OnlineRLModule(
         self.update_metrics = MetricGroup(update_names)
         self.rollouts_done = 0
         self.step_guard = StepGuard()  # skips (and counts) minibatches with a non-finite loss or gradient
-        self._rng_to_restore: tuple[torch.Tensor, list] | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
         self.strict_loading = False  # frozen weights are rebuilt in __init__, not checkpointed
         shared = dict(reference=reference, reward_model=reward_model, reward_fn=self.rewards.config_value,
                       monitor_reward_fn=monitor_reward_fn)  # fmt: skip

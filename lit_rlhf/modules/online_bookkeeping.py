@@ -15,6 +15,7 @@ from lit_rlhf import functional as F
 from lit_rlhf.models import export_pretrained
 from lit_rlhf.modules.base import drop_frozen_weights, internal_base
 from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint
+from lit_rlhf.modules.online_eval import set_rng_state
 from lit_rlhf.modules.optim import resolve_total_steps
 from lit_rlhf.modules.samples import log_text_table
 from lit_rlhf.rollout import Rollout
@@ -200,7 +201,7 @@ class OnlineBookkeeping(LightningModule):
                 f" models of random init) may differ. Pass rng_seed={saved_seed} (or the run's seed_everything)."
             )
         # applied at the next training_step, after Lightning has finished restoring and set up the data
-        self._rng_to_restore = (state["torch_rng"], state["cuda_rng"])
+        self._rng_to_restore = {k: state.get(k) for k in ("torch_rng", "cuda_rng", "python_rng", "numpy_rng")}
 
     def check_fixed_on_resume(self, checkpoint: dict[str, Any]) -> None:
         """K (``generation.num_samples``) cannot change on resume: the replay buffer's shuffling, the group
@@ -221,10 +222,7 @@ class OnlineBookkeeping(LightningModule):
     def restore_rng(self) -> None:
         """Apply the RNG state of a resumed checkpoint (once, at the first rollout after loading)."""
         if self._rng_to_restore is not None:
-            cpu, cuda = self._rng_to_restore
-            torch.set_rng_state(cpu)
-            if cuda:
-                torch.cuda.set_rng_state_all(cuda)
+            set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
     def exported_models(self) -> dict[str, torch.nn.Module | None]:

@@ -290,6 +290,21 @@ class OnlineDPOModule(OnlineRLModule):
         return loss, {**stats, NLL_METRIC: nll.detach(), "loss": loss.detach(), "scores_margin": scores_margin, **drift}
 
     @override
+    def minibatch_step(self, loss_fn, mb, optimized, params):
+        """A minibatch in which every prompt tied (no pair on any rank) has no loss: it is not stepped (AdamW's
+        momentum would repeat the last update) and its zero DPO statistics stay out of the rollout's; only its
+        drift statistics are kept, and it counts in ``skipped_minibatches``."""
+        pairs = (self.pair_roles[mb.rows] == 1).sum().float()
+        if self.trainer.strategy.reduce(pairs, reduce_op="sum") > 0:
+            return super().minibatch_step(loss_fn, mb, optimized, params)
+        stats = self.accumulate_minibatch(loss_fn, mb)  # the drift statistics; the loss is 0
+        for opt, _ in optimized:
+            opt.zero_grad(set_to_none=True)
+        drift = {name: stats[name] for name in ("policy_kl", "ratio_mean")}
+        self.update_metrics.update({**drift, "skipped_minibatches": 1.0, "nonfinite_steps": 0.0})
+        return stats, False
+
+    @override
     def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:
         """The micro-batch's share of the minibatch's pairs (the loss is a mean over pairs); a minibatch
         without pairs (its loss is 0) weighs its drift statistics by learned tokens."""

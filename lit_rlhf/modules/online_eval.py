@@ -21,10 +21,12 @@ training stream held aside.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from typing_extensions import override
@@ -40,17 +42,32 @@ EVAL_METRICS = ("score", "monitor_score", "kl_ref", "response_length", "eos_rate
 
 
 def rng_state() -> dict[str, Any]:
-    """The global torch RNG states (CPU, and every CUDA device when there is one)."""
+    """The global RNG states: torch's (CPU, and every CUDA device when there is one), and Python's and
+    NumPy's, from which environments and reward functions may draw."""
     return {
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python_rng": random.getstate(),
+        "numpy_rng": _plain_numpy_state(np.random.get_state()),  # plain values: a checkpoint loads weights-only
     }
 
 
+def _plain_numpy_state(state: tuple) -> list:
+    name, keys, position, has_gauss, cached = state
+    return [name, keys.tolist(), int(position), int(has_gauss), float(cached)]
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back :func:`rng_state`'s states (Python's and NumPy's where the state has them: checkpoints of
+    earlier versions hold torch's only)."""
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
+    if state.get("python_rng") is not None:
+        random.setstate(state["python_rng"])
+    if state.get("numpy_rng") is not None:
+        name, keys, position, has_gauss, cached = state["numpy_rng"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
 
 
 @internal_base
@@ -91,10 +108,17 @@ class OnlineEvaluation(LightningModule):
         """A forked global RNG seeded by (rng_seed, rank, loader, batch): evaluation draws are repeatable
         and the caller's RNG state is restored on exit."""
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            seed = hash((self.rng_seed, self.global_rank, dataloader_idx, batch_idx)) & (2**63 - 1)
-            torch.manual_seed(seed)
-            yield
+        held = random.getstate(), np.random.get_state()  # an environment's draws leave training's stream alone
+        try:
+            with torch.random.fork_rng(devices=devices):
+                seed = hash((self.rng_seed, self.global_rank, dataloader_idx, batch_idx)) & (2**63 - 1)
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                yield
+        finally:
+            random.setstate(held[0])
+            np.random.set_state(held[1])
 
     @torch.no_grad()
     def policy_logprobs(
