@@ -83,10 +83,12 @@ def test_kl_penalty_objective_raises_the_reward_and_adapts_beta(tokenizer_dir, t
     # PPO-Penalty (seeds/000) on the rule reward: the score must rise as with PPO-Clip, and the adaptive
     # beta must move away from its initial value. (The reward-model source is covered end to end by the
     # demo pipeline's miniature and unit-tested in test_ppo_options; a random RM's score is too rugged a
-    # landscape for a robust rise in a few rollouts.)
+    # landscape for a robust rise in a few rollouts.) This tiny policy moves about a nat per token a
+    # rollout at lr 1e-2, so the target is 1 nat: with 0.001 beta doubles every rollout and the penalty
+    # swamps the reward (it rose only while beta was fed the KL from before each step, 0, and halved).
     torch.manual_seed(0)
     module = tiny_ppo(
-        tokenizer_dir, gpt2_config(), update={"policy_loss": "kl_penalty", "init_beta": 0.1, "beta_target": 0.001},
+        tokenizer_dir, gpt2_config(), update={"policy_loss": "kl_penalty", "init_beta": 0.1, "beta_target": 1.0},
         max_rollouts=20,
     )
     trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=16, batch_size=16))

@@ -129,3 +129,66 @@ def test_a_shared_critic_reads_the_lm_heads_input_width(tokenizer_dir, tmp_path)
     t = trainer(tmp_path)
     t.fit(module, prompt_loader(tokenizer_dir, n=8))
     assert torch.isfinite(t.logged_metrics["ppo/value_loss"])
+
+
+def _seq_mean_gradients(make, tokenizer_dir, aggregation: str, forward_batch_size: int) -> list[torch.Tensor]:
+    """The accumulated gradients of one 8-row minibatch (responses of 1 to 6 tokens) in micro-batches of
+    ``forward_batch_size`` rows, with an entropy bonus (and PPO's value loss)."""
+    from lit_rlhf.rollout import Rollout
+
+    update = {"epochs": 1, "num_minibatches": 1, "loss_aggregation": aggregation, "ent_coef": 0.5}
+    module = make(tokenizer_dir, gpt2_config(), update=update,
+                  scoring={"forward_batch_size": forward_batch_size, "bucketing": {"enabled": False}})  # fmt: skip
+    module.manual_backward = lambda loss: loss.backward()
+    g = torch.Generator().manual_seed(1)
+    B, P, T, critic = 8, 4, 6, hasattr(module, "ppo_loss")
+    ids = torch.randint(5, 300, (B, P + T), generator=g)
+    response_mask = torch.arange(T)[None] < torch.tensor([1, 6, 2, 6, 1, 5, 6, 3])[:, None]
+    attention = torch.cat([torch.ones(B, P, dtype=torch.long), response_mask.long()], dim=1)
+    noise = lambda: torch.randn(B, T, generator=g)  # noqa: E731
+    rollout = Rollout(ids, attention, response_mask, -2 + 0.3 * noise(), -2 + 0.3 * noise(),
+                      noise() if critic else None, None, noise(), noise() if critic else None, torch.randn(B, generator=g))  # fmt: skip
+    module.accumulate_minibatch(module.ppo_loss if critic else module.policy_loss, rollout)
+    models = [module.actor, module.critic] if critic else [module.actor]
+    return [torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]) for m in models]
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_sequence_mean_losses_accumulate_independently_of_the_micro_batches(tokenizer_dir, aggregation, algorithm):
+    """The value loss and the entropy bonus are token means: weighted by the micro-batch's tokens, not its
+    rows (before, the gradient moved by 2-7% between 2-row and 8-row micro-batches)."""
+    from ppo_helpers import tiny_critic_free
+
+    make = tiny_ppo if algorithm == "ppo" else tiny_critic_free
+    whole, parts = (_seq_mean_gradients(make, tokenizer_dir, aggregation, n) for n in (8, 2))
+    for a, b in zip(parts, whole):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_ppo_penalty_beta_reads_the_kl_of_the_updated_policy(tokenizer_dir, tmp_path):
+    """PPO-Penalty's d is measured after the epochs (arXiv:1707.06347 sec. 4). Before, the last minibatch's
+    KL from before its step was used: 0 with one step per rollout, so beta halved every rollout."""
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=3, kl={"coef": 0.0},
+                      update={"epochs": 1, "num_minibatches": 1, "policy_loss": "kl_penalty", "init_beta": 1.0,
+                              "beta_target": 1e-4},
+                      actor_optimizer=lambda p: torch.optim.AdamW(p, lr=0.05))  # fmt: skip
+    fed, update = [], module.beta_ctl.update
+    module.beta_ctl.update = lambda kl, n_steps: (fed.append(kl), update(kl, n_steps))
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
+    assert len(fed) == 3 and all(d > 1.5e-4 for d in fed), fed  # a real step moves the policy
+    assert module.beta_ctl.value == 8.0  # doubled after each rollout
+
+
+def test_logged_coefficients_are_the_ones_the_rollout_used(tokenizer_dir, tmp_path):
+    """rollout/reward = score - kl_coef * kl_ref with the logged kl_coef of the same row (before, the
+    coefficient after the controller's update was logged)."""
+    from ppo_helpers import tiny_critic_free
+    from test_online_contract import read_metrics
+
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), max_rollouts=3, kl={"coef": 0.5, "target": 0.01, "horizon": 8})
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=2))
+    rows = read_metrics(tmp_path)
+    assert rows[0]["policy/kl_coef"] == pytest.approx(0.5)
+    for row in rows:
+        assert row["rollout/reward"] == pytest.approx(row["rollout/score"] - row["policy/kl_coef"] * row["rollout/kl_ref"], abs=1e-4)

@@ -126,10 +126,11 @@ class CriticFreeModule(OnlineRLModule):
         kl = F.masked_kl(old_logprobs, ref_logprobs, mask, self.kl.estimator)  # (B, T)
         sequence_kl = F.masked_row_sum(kl, mask)  # (B,)
         self.log_rollout_stats(sample, scores, scores - self.kl_ctl.value * sequence_kl, kl, entropy, old_logprobs)
+        schedule = self.schedule_metrics()  # the coefficient and learning rate this rollout used
         self.update_kl_controller(kl, mask)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
-        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
+        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores, schedule)
 
     def estimate_advantages(
         self,
@@ -183,13 +184,16 @@ class CriticFreeModule(OnlineRLModule):
             **aggregation,
         )  # fmt: skip
         mean_entropy = F.masked_mean(entropy, mask)
-        loss = pg_loss - update.ent_coef * mean_entropy
+        stats.update(policy_loss=pg_loss.detach(), entropy=mean_entropy.detach())
+        kl_loss = None
         if kl.loss_coef > 0:
             kl_loss, kl_stats = F.reference_kl_loss(logprobs, part.ref_logprobs, mask, kl.loss_estimator, **aggregation)
-            loss = loss + kl.loss_coef * kl_loss
             stats.update(kl_stats)
-        stats.update(policy_loss=pg_loss.detach(), entropy=mean_entropy.detach())
-        return loss, stats
+        if update.loss_aggregation != "token_mean" and update.ent_coef > 0:  # the entropy is a token mean
+            policy = pg_loss if kl_loss is None else pg_loss + kl.loss_coef * kl_loss
+            return (policy, -update.ent_coef * mean_entropy), stats
+        loss = pg_loss - update.ent_coef * mean_entropy
+        return loss if kl_loss is None else loss + kl.loss_coef * kl_loss, stats
 
     @override
     def schedule_metrics(self) -> dict[str, torch.Tensor]:

@@ -128,10 +128,12 @@ class OnlineBookkeeping(LightningModule):
         """Per-rollout values of the controllers and learning rates (without prefix)."""
         return {"kl_coef": torch.tensor(self.kl_ctl.value, dtype=torch.float32)}
 
-    def finish_rollout(self, prompts, responses, response_mask, scores) -> None:
-        """Log the rollout's metrics and (every ``log_samples_every`` rollouts) a sample table; count it."""
+    def finish_rollout(self, prompts, responses, response_mask, scores, schedule=None) -> None:
+        """Log the rollout's metrics and (every ``log_samples_every`` rollouts) a sample table; count it.
+        ``schedule``: the ``schedule_metrics`` this rollout used, taken before its controllers and schedulers
+        advanced (None: read now)."""
         metrics = {f"rollout/{k}": v for k, v in self.rollout_metrics.compute_and_reset().items()}
-        updates = {**self.update_metrics.compute_and_reset(), **self.schedule_metrics()}
+        updates = {**self.update_metrics.compute_and_reset(), **(schedule or self.schedule_metrics())}
         metrics.update({f"{self.metric_prefix}/{k}": v for k, v in updates.items()})
         self.log_dict(metrics, prog_bar=False, batch_size=responses.shape[0])
         self.log("score", metrics["rollout/score"], prog_bar=True, logger=False)

@@ -164,6 +164,7 @@ class OnlineDPOModule(OnlineRLModule):
 
     metric_prefix = "dpo"
     loss_stats = ONLINE_DPO_LOSS_STATS
+    loss_unit_stats = frozenset(ONLINE_DPO_LOSS_STATS) - {"policy_kl", "ratio_mean"}  # per pair; the drift per token
     extra_metrics = ("pairs", "ties", "beta")
     minibatches_of_prompts: ClassVar[bool] = True  # a pair's two rows in one minibatch
     settings_groups: ClassVar[dict] = {
@@ -246,10 +247,11 @@ class OnlineDPOModule(OnlineRLModule):
         beta = self.kl_ctl.value  # the beta of this rollout's update
         self.log_rollout_stats(sample, scores, scores - beta * sequence_kl, kl, entropy, old_logprobs)
         self.update_metrics.update({"beta": torch.tensor(beta, dtype=torch.float32)})
+        schedule = self.schedule_metrics()  # the learning rate this rollout used
         self.update_kl_controller(kl, mask)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
-        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
+        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores, schedule)
 
     def log_pairs(self, scores, chosen, rejected, paired) -> torch.Tensor:
         """Log the rollout's prompts with and without a pair (``pairs``, ``ties``, over all ranks); returns

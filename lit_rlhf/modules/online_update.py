@@ -23,7 +23,10 @@ from lit_rlhf.modules.distributed import clip_grad_norm
 from lit_rlhf.modules.metrics import accumulate_stats
 from lit_rlhf.rollout import Rollout
 
-LossFn = Callable[[Rollout], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# part -> (loss, stats); the loss is one tensor in the unit of ``micro_batch_weight`` or, where it adds terms that
+# are means over learned tokens to a loss of another unit (a sequence-mean policy loss), the pair (loss in that
+# unit, token-mean terms)
+LossFn = Callable[[Rollout], tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]]
 
 
 @internal_base
@@ -33,6 +36,9 @@ class OnlineUpdate(LightningModule):
 
     # the update's minibatches hold whole prompts (all K responses of each), not rows (online DPO's pairs)
     minibatches_of_prompts: ClassVar[bool] = False
+    # stats in the unit of ``micro_batch_weight`` (the loss's own: rows under a sequence-mean aggregation,
+    # online DPO's pairs); the others are means over learned tokens, weighted by the micro-batch's tokens
+    loss_unit_stats: ClassVar[frozenset[str]] = frozenset({"policy_loss", "kl_loss"})
 
     def check_precision_fit(self) -> None:
         """Refuse fp16 mixed precision with a gradient scaler (``16-mixed`` on a GPU): in manual optimisation the
@@ -125,11 +131,19 @@ class OnlineUpdate(LightningModule):
         for rows, columns, t in self.micro_batches(mb.attention_mask, T, K):
             part = mb.select(rows).crop(columns, t)
             weight = self.micro_batch_weight(part, mb)
+            tokens = F.aggregation_weight(part.loss_mask, mb.loss_mask, "token_mean")  # the token-mean terms' share
             loss, part_stats = loss_fn(part)
             self.check_stats(part_stats)
-            self.step_guard.observe_loss(loss)
-            self.manual_backward(loss * weight)
-            accumulate_stats(stats, part_stats, weight)
+            if isinstance(loss, tuple):  # (loss in the weight's unit, token-mean terms)
+                loss, token_terms = loss
+                self.step_guard.observe_loss(loss + token_terms)
+                self.manual_backward(loss * weight + token_terms * tokens)
+            else:
+                self.step_guard.observe_loss(loss)
+                self.manual_backward(loss * weight)
+            in_unit = {k: v for k, v in part_stats.items() if k in self.loss_unit_stats}
+            accumulate_stats(stats, in_unit, weight)
+            accumulate_stats(stats, {k: v for k, v in part_stats.items() if k not in in_unit}, tokens)
         return stats
 
     def micro_batch_weight(self, part: Rollout, mb: Rollout) -> torch.Tensor:

@@ -119,16 +119,36 @@ class PPOModule(OnlineRLModule):
             sample, old_logprobs, ref_logprobs, advantages, scores, old_values=old_values, rewards=rewards, returns=returns
         )
         # 4. PPO epochs over shuffled minibatches of the replay buffer.
-        self.buffer.put(self.drop_rows(rollout, keep))
-        last_policy_kl = self.run_update_epochs(self.ppo_loss, self.optimized_models())
+        kept = self.drop_rows(rollout, keep)
+        self.buffer.put(kept)
+        self.run_update_epochs(self.ppo_loss, self.optimized_models())
         self.buffer.clear()
-        # 5. Controllers and schedules advance once per rollout; metrics and samples are logged.
+        # 5. Controllers and schedules advance once per rollout (the values this rollout used are logged);
+        #    PPO-Penalty's beta from the KL of the updated policy to the rollout's (arXiv:1707.06347 sec. 4).
+        schedule = self.schedule_metrics()
         self.update_kl_controller(kl, mask)
         if self.update.policy_loss == "kl_penalty":
-            self.beta_ctl.update(last_policy_kl, n_steps=1)
+            self.beta_ctl.update(self.kl_after_update(kept), n_steps=1)
         for scheduler in self.lr_schedulers_list():
             scheduler.step()
-        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores)
+        self.finish_rollout(sample.prompts, sample.responses.ids, sample.responses.mask, scores, schedule)
+
+    @torch.no_grad()
+    def kl_after_update(self, rollout: Rollout) -> float:
+        """Mean KL(old || new) over the rollout's learned tokens, the updated actor against the rollout
+        policy, over every rank: PPO-Penalty's d, measured after the epochs (the last minibatch's
+        ``policy_kl`` is measured before its step: 0 with one step per rollout). The k3 estimate (Schulman
+        2020, "Approximating KL divergence"), never negative: the update raised the very tokens it is read on,
+        which pulls k1's mean below 0."""
+        T = rollout.response_mask.shape[1]
+        total = torch.zeros(2, dtype=torch.float64, device=rollout.input_ids.device)  # (2,) KL sum, tokens
+        for rows, columns, t in self.micro_batches(rollout.attention_mask, T):
+            part = rollout.select(rows).crop(columns, t)
+            logprobs, _, _ = policy_forward(self.actor, part.input_ids, part.attention_mask, t, self.generation.temperature)
+            kl = F.masked_kl(part.old_logprobs, logprobs, part.loss_mask, "k3")  # (b, t)
+            total += torch.stack([kl.sum(), part.loss_mask.sum()]).double()
+        total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        return float(total[0] / total[1].clamp(min=1))
 
     # ----------------------------------------------------------------------------------------------
     @override
@@ -194,14 +214,17 @@ class PPOModule(OnlineRLModule):
             )  # fmt: skip
         vf_loss, vf_stats = F.clipped_value_loss(values, part.old_values, part.returns, mask, update.clip_coef_value)
         mean_entropy = F.masked_mean(entropy, mask)
-        loss = pg_loss - update.ent_coef * mean_entropy + update.vf_coef * vf_loss
         stats = {**pg_stats, **vf_stats, "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach()}
         stats["entropy"] = mean_entropy.detach()
+        kl_loss = None
         if self.kl.loss_coef > 0:
             kl_loss, kl_stats = F.reference_kl_loss(logprobs, part.ref_logprobs, mask, self.kl.loss_estimator, **aggregation)
-            loss = loss + self.kl.loss_coef * kl_loss
             stats.update(kl_stats)
-        return loss, stats
+        if update.loss_aggregation != "token_mean":  # the value loss and entropy are token means: weighted apart
+            policy = pg_loss if kl_loss is None else pg_loss + self.kl.loss_coef * kl_loss
+            return (policy, update.vf_coef * vf_loss - update.ent_coef * mean_entropy), stats
+        loss = pg_loss - update.ent_coef * mean_entropy + update.vf_coef * vf_loss
+        return loss if kl_loss is None else loss + self.kl.loss_coef * kl_loss, stats
 
     @override
     def schedule_metrics(self) -> dict[str, torch.Tensor]:
