@@ -12,9 +12,11 @@ returned by name (``member_<k>``) the same way.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -167,7 +169,9 @@ class RewardSource(torch.nn.Module):
             model_tokenizer = self.build_ensemble(reward_model)
         elif reward_model is not None:
             check_trained_head(reward_model, argument_of(reward_model, "reward_model"))
-            model_tokenizer = load_tokenizer(reward_model.tokenizer or reward_model.name_or_path)
+            model_tokenizer = load_tokenizer(
+                reward_model.tokenizer or reward_model.name_or_path, trust_remote_code=reward_model.trust_remote_code
+            )
             self.model = frozen_copy(build_score_model(reward_model, model_tokenizer))
             self.model_spec = reward_model
         if reward_model is not None and model_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -179,7 +183,7 @@ class RewardSource(torch.nn.Module):
         members = self.ensemble.members
         for k, member in enumerate(members):
             check_trained_head(member, f"reward_model ensemble member {k}")
-        tokenizers = [load_tokenizer(m.tokenizer_name_or_path) for m in members]
+        tokenizers = [load_tokenizer(m.tokenizer_name_or_path, trust_remote_code=m.trust_remote_code) for m in members]
         check_member_tokenizers(tokenizers, members)
         self.members = torch.nn.ModuleList(
             frozen_copy(build_score_model(m, tok)) for m, tok in zip(members, tokenizers)
@@ -351,6 +355,15 @@ def check_trained_head(spec: ModelSpec, where: str) -> None:
         return
     from transformers import AutoConfig
 
+    adapter = Path(spec.name_or_path) / "adapter_config.json"
+    if adapter.is_file():  # a peft adapter: a reward model's is a sequence classifier's (its head saved with it)
+        task = json.loads(adapter.read_text()).get("task_type")
+        if task not in (None, "SEQ_CLS"):
+            raise ValueError(
+                f"{where} is a peft adapter of task {task}, not a reward model's (SEQ_CLS): its score head would be"
+                " new and random (every reward noise). Give a reward model's adapter or checkpoint"
+            )
+        return
     try:
         config = AutoConfig.from_pretrained(spec.name_or_path, trust_remote_code=spec.trust_remote_code)
     except Exception:  # unreadable here: loading the model names the problem

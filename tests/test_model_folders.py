@@ -147,3 +147,20 @@ def test_the_cli_says_so_in_one_error_line(tokenizer, tokenizer_dir, tmp_path):
     (tmp_path / "rm.yaml").write_text(json.dumps(run))
     line = error_line(lit_rlhf(tmp_path, "fit", "--config", str(tmp_path / "rm.yaml")))
     assert "needs a one-label score head (num_labels=1)" in line and "has 2 labels" in line
+
+
+@pytest.mark.parametrize("task, refused", [("CAUSAL_LM", True), ("SEQ_CLS", False)])
+def test_a_causal_lm_adapter_as_a_reward_model_is_refused(tmp_path, task, refused):
+    """A peft adapter folder is checked by its task: a causal LM's adapter would get a new, random score head."""
+    import json
+
+    from lit_rlhf.models import ModelSpec
+    from lit_rlhf.rewards import check_trained_head
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"task_type": task, "base_model_name_or_path": "x"}))
+    spec = ModelSpec(name_or_path=str(tmp_path))
+    if refused:
+        with pytest.raises(ValueError, match="peft adapter of task CAUSAL_LM, not a reward model's"):
+            check_trained_head(spec, "reward_model")
+    else:
+        check_trained_head(spec, "reward_model")

@@ -146,7 +146,7 @@ class RLHFDataModule(LightningDataModule):
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{type(self).__name__}: {name} must be {requirement}, got {hp.get(name)!r}")
-        self.tokenizer = load_tokenizer(hp.tokenizer)
+        self.tokenizer = load_tokenizer(hp.tokenizer, trust_remote_code=bool(hp.get("trust_remote_code", False)))
         self.collator = self.collator_class(self.tokenizer.pad_token_id)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None

@@ -54,6 +54,7 @@ class PreferenceDataModule(RLHFDataModule):
         test_path: str | None = None,
         test_split: str | None = None,
         cache_dir: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """
         Args:
@@ -81,6 +82,7 @@ class PreferenceDataModule(RLHFDataModule):
             test_split: split to load from ``test_path``; None means ``split``. Without ``test_path``, a split
                 or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]").
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
+            trust_remote_code: load a tokenizer shipped as custom code (as ``ModelSpec.trust_remote_code``).
         """
         super().__init__()
         self.save_hyperparameters()

@@ -50,6 +50,7 @@ class PromptDataModule(RLHFDataModule):
         test_split: str | None = None,
         drop_last: bool = True,
         cache_dir: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """
         Args:
@@ -74,6 +75,7 @@ class PromptDataModule(RLHFDataModule):
                 or slice of ``train_path`` (e.g. "test", or "train[90%:]" beside split="train[:90%]").
             drop_last: drop the last incomplete training batch, so every rollout has ``batch_size`` prompts.
             cache_dir: ``datasets`` cache folder for loading hub/file data; None uses the HF default.
+            trust_remote_code: load a tokenizer shipped as custom code (as ``ModelSpec.trust_remote_code``).
         """
         super().__init__()
         self.save_hyperparameters()
