@@ -217,3 +217,31 @@ def test_resume_from_a_checkpoint_written_at_a_validation_is_exact(tokenizer_dir
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
     last_val = [r for r in full if "val/kl_ref" in r][-1]
     assert float(last_val["val/kl_ref"]) == pytest.approx(float([r for r in resumed if "val/kl_ref" in r][-1]["val/kl_ref"]))
+
+
+@pytest.mark.parametrize("val_every", [2, None], ids=["validation_every_2", "no_validation"])
+def test_an_end_of_run_checkpoint_extended_continues_the_run(tokenizer_dir, tmp_path, val_every, prompt_file):
+    """3 rollouts, then the end-of-run checkpoint resumed to 5, against 5 uninterrupted: the same prompts
+    (the cut epoch is continued, not restarted) and the same logging steps (with validation every 2 the
+    checkpoint is written inside the validation max_rollouts triggers, after which Lightning's step trailed)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root, rollouts, ckpt_path=None):
+        torch.manual_seed(0)
+        module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=rollouts)
+        saver = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
+        val = {} if val_every is None else dict(check_val_every_n_epoch=None, val_check_interval=val_every)
+        fit = trainer(root, enable_checkpointing=True, callbacks=[saver], default_root_dir=str(root), **val)
+        from lit_rlhf.data import PromptDataModule  # its sampler's position is checkpointed
+
+        val = 0.0 if val_every is None else 0.2
+        data = PromptDataModule(tokenizer_dir, str(prompt_file), batch_size=4, val_fraction=val, seed=0)
+        fit.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return [(int(r["step"]), float(r["rollout/score"]), float(r["rollout/kl_ref"])) for r in rows_of(fit) if "rollout/score" in r]
+
+    full = run(tmp_path / "full", 5)
+    run(tmp_path / "part", 3)
+    extended = run(tmp_path / "part", 5, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
+    assert [s for s, *_ in extended] == [s for s, *_ in full[3:]] == [3, 4]
+    for (_, *values), (_, *expected) in zip(extended, full[3:]):
+        assert values == pytest.approx(expected, rel=1e-5, abs=1e-6)

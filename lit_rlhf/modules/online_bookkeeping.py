@@ -151,10 +151,7 @@ class OnlineBookkeeping(LightningModule):
     # -- Lightning hooks: limits, checkpoints, export -------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run,
-        and log at the rollout index: Lightning's logging step can trail it by one after resuming a run its
-        ``max_rollouts`` ended inside a validation (the last step's increment is not replayed)."""
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.rollouts_done  # one batch, one rollout
+        """After a resume, stretch run-length schedules to the (possibly larger) ``max_rollouts`` of this run."""
         total = self.planned_rollouts(len(self.trainer.optimizers))
         for scheduler in self.lr_schedulers_list():
             resolve_total_steps(scheduler, total)
@@ -166,6 +163,9 @@ class OnlineBookkeeping(LightningModule):
         if limit is not None and self.rollouts_done >= limit:
             self.trainer.should_stop = True
             return -1  # Lightning skips the rest of the epoch; should_stop ends the fit
+        # log at the rollout index (one batch, one rollout): after resuming a run whose max_rollouts ended it
+        # inside a validation, Lightning's logging step trails it by one (that step's increment is not replayed)
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.rollouts_done
         return None
 
     @override
