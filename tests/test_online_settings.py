@@ -372,3 +372,11 @@ def test_a_causal_lm_checkpoint_as_the_reward_model_is_refused(tokenizer_dir, tm
     with pytest.raises(ValueError, match=r"reward_model '.*sft' is a GPT2LMHeadModel, not a reward model"):
         tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=None, reward_model={"name_or_path": str(tmp_path / "sft")})
     assert tiny_ppo(tokenizer_dir, gpt2_config(), critic={"name_or_path": str(tmp_path / "sft")}).critic is not None
+
+
+def test_greedy_evaluation_with_several_samples_is_refused():
+    from lit_rlhf.modules.online_settings import EvaluationSettings
+
+    with pytest.raises(ValueError, match="num_samples=2 with evaluation.greedy"):
+        EvaluationSettings(generation={"num_samples": 2}, greedy=True)
+    assert EvaluationSettings(generation={"num_samples": 2}).greedy is False

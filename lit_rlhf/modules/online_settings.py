@@ -356,7 +356,12 @@ class EvaluationSettings(Settings):
                 "evaluation.generation: expected a dict of GenerationSettings fields or None, "
                 f"got {type(self.generation).__name__}"
             )
-        self.resolve(GenerationSettings())  # unknown fields and bad values fail now, not at validation
+        resolved = self.resolve(GenerationSettings())  # unknown fields and bad values fail now, not at validation
+        if self.greedy and resolved.num_samples > 1:  # vLLM refuses it; with HF the K samples would be one
+            raise ValueError(
+                f"evaluation.generation.num_samples={resolved.num_samples} with evaluation.greedy: greedy decoding"
+                " gives one response per prompt; leave num_samples at 1 or sample (greedy: false)"
+            )
 
     def resolve(self, generation: GenerationSettings) -> GenerationSettings:
         """The settings of evaluation rollouts: ``generation`` with one sample per prompt, overridden."""
