@@ -39,7 +39,7 @@ def make(kind: str, tiny: Path, batch_size: int = 16):
     return RewardModelModule(spec, optimizer=opt, scheduler=None), data
 
 
-def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None, max_steps: int = -1, batch_size: int = 16):
+def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None, max_steps: int = -1, batch_size: int = 16, **kwargs):
     """Checkpoints: ``ckpt/steps`` every 2 steps (+ last.ckpt), ``ckpt/epochs`` at each epoch's end."""
     module, data = make(kind, tiny, batch_size)
     steps = ModelCheckpoint(root / "ckpt/steps", "{epoch}-{step}", save_top_k=-1, every_n_train_steps=2, save_last=True)
@@ -47,7 +47,7 @@ def fit(kind, tiny, root: Path, max_epochs: int, ckpt_path=None, max_steps: int 
     trainer = Trainer(
         default_root_dir=root, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[steps, epochs], deterministic=True,
-        max_steps=max_steps,
+        max_steps=max_steps, **kwargs,
     )  # fmt: skip
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, module
@@ -108,6 +108,16 @@ def test_a_run_cut_mid_epoch_by_max_steps_continues_that_epoch_when_extended(uni
     # Lightning's epochs are one ahead of the order's from there: the 3 batches left of order 1 make its
     # epoch 2, order 2 its epoch 3
     assert trainer.global_step == 3 * STEPS_PER_EPOCH
+    assert_same_weights(full, resumed)
+
+
+def test_epochs_shortened_by_limit_train_batches_resume_with_a_new_order(tiny_data_dir, tmp_path):
+    """``limit_train_batches`` ends every epoch early by design: each epoch is a new order's first batches,
+    resumed alike (not the continuation of a run cut short)."""
+    _, full = fit("sft", tiny_data_dir, tmp_path / "full", 3, limit_train_batches=2)
+    end = tmp_path / "full/ckpt/epochs/epoch=0-step=2.ckpt"
+    assert data_state(end) == {"epoch": 1, "consumed": 0, "offset": 0, "batches": 0}
+    _, resumed = fit("sft", tiny_data_dir, tmp_path / "resumed", 3, ckpt_path=end, limit_train_batches=2)
     assert_same_weights(full, resumed)
 
 

@@ -343,7 +343,9 @@ class RLHFDataModule(LightningDataModule):
         ended = self._position(epochs.processed - 1, batches, offset)
         rows, per_batch = len(self.train_dataset), self.hparams.batch_size * self.train_sampler.num_replicas
         left = rows - ended["consumed"]
-        if left > 0 and not (self._drop_last() and left < per_batch) and batches > 0:
+        # cut short: fewer batches than Lightning's epoch holds (limit_train_batches included) with rows left
+        short = 0 < batches < self.trainer.num_training_batches
+        if short and left > 0 and not (self._drop_last() and left < per_batch):
             return {**ended, "offset": offset + 1, "batches": 0}
         return {"epoch": epochs.processed - offset, "consumed": 0, "offset": offset, "batches": 0}
 
