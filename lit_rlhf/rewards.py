@@ -12,11 +12,9 @@ returned by name (``member_<k>``) the same way.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +30,7 @@ from lit_rlhf.models import (
     load_tokenizer,
     reward_model_scores,
 )
+from lit_rlhf.models.folders import adapter_config
 from lit_rlhf.reward_fns import (
     RewardFn,
     call_reward_fn,
@@ -237,31 +236,18 @@ class RewardSource(torch.nn.Module):
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
         columns: Mapping[str, list] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(B, P+T) prompt+response sequences -> (B,) float32 scores, and each part's (B,) raw scores by name
-        (:attr:`part_names`: each function of a ``reward_fn`` list, each member of an ensemble; else empty).
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(B, P+T) prompt+response sequences -> (B,) float32 scores; each part's (B,) raw scores by name
+        (:attr:`part_names`: each function of a ``reward_fn`` list, each member of an ensemble; else empty);
+        and each part's (B,) bool mask of the rows it scored: False where a TRL-form function of a
+        ``reward_fn`` list returned None (it does not score that row, e.g. another task's: its raw score is
+        NaN there, and the total is the weighted sum of the functions that scored the row, NaN where none
+        did, ``functional.weighted_reward_sum``); every row elsewhere.
 
         ``chunk_size``: rows per reward-model forward, or the (rows, columns, t) micro-batches of
         ``lit_rlhf.batching.rollout_micro_batches`` (length-bucketed and trimmed). ``columns``: the prompt
         rows' other columns for the functions, each a list of B values (a prompt's K rows repeated).
-        A part's raw score is NaN where its function gave None (see :meth:`score_parts`).
         """
-        total, parts, _ = self.score_parts(input_ids, attention_mask, response_length, chunk_size, columns)
-        return total, parts
-
-    @torch.no_grad()
-    def score_parts(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        response_length: int,
-        chunk_size: int | Sequence[MicroBatch],
-        columns: Mapping[str, list] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """:meth:`score_terms`, and each part's (B,) bool mask of the rows it scored: False where a TRL-form
-        function of a ``reward_fn`` list returned None (it does not score that row, e.g. another task's:
-        the total is the weighted sum of the functions that scored the row, NaN where none did,
-        ``functional.weighted_reward_sum``); every row elsewhere."""
         if self.members is not None:
             scores = self.model_scores(input_ids, attention_mask, response_length, chunk_size)  # (K, B)
             total = F.aggregate_ensemble(self.common_scale(scores), self.ensemble.aggregation, self.ensemble.coef)
@@ -355,9 +341,9 @@ def check_trained_head(spec: ModelSpec, where: str) -> None:
         return
     from transformers import AutoConfig
 
-    adapter = Path(spec.name_or_path) / "adapter_config.json"
-    if adapter.is_file():  # a peft adapter: a reward model's is a sequence classifier's (its head saved with it)
-        task = json.loads(adapter.read_text()).get("task_type")
+    adapter = adapter_config(spec.name_or_path)
+    if adapter is not None:  # a peft adapter: a reward model's is a sequence classifier's (its head saved with it)
+        task = adapter.get("task_type")
         if task not in (None, "SEQ_CLS"):
             raise ValueError(
                 f"{where} is a peft adapter of task {task}, not a reward model's (SEQ_CLS): its score head would be"

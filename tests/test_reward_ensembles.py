@@ -97,7 +97,7 @@ def test_three_members_train_export_and_reload_to_score_as_the_members_do(tiny_d
     )
     batch = next(iter(data.val_dataloader()))
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    total, parts = source.score_terms(ids, mask, 8, 7)
+    total, parts, _ = source.score_terms(ids, mask, 8, 7)
     alone = torch.stack([
         RewardSource(ModelSpec(name_or_path=str(tmp_path / "export" / f"member_{k}")), None, tokenizer).score(ids, mask, 8, 7)
         for k in range(3)

@@ -184,12 +184,12 @@ def test_trl_none_is_a_row_the_function_does_not_score(tokenizer_dir):
     ids, mask, T = rollout_rows(tok, ["a", "b", "c", "d"], [" the", " bad", " it", " was"])
     source = RewardSource(None, ["ppo_rewards:math_task", {"fn": "ppo_rewards:code_task", "weight": 2.0}], tok)
     task = {"task": ["math", "code", "neither", "broken"]}
-    total, parts, scored = source.score_parts(ids, mask, T, 4, task)
+    total, parts, scored = source.score_terms(ids, mask, T, 4, task)
     assert total[0] == len(" the") and total[1] == 2.0 and math.isnan(total[2]) and math.isnan(total[3])
     assert scored["math_task"].tolist() == [True, False, False, False]
     assert scored["code_task"].tolist() == [False, True, False, True]  # a NaN is a score (non-finite), None is not
     assert math.isnan(parts["math_task"][1]) and parts["code_task"][1] == 1.0
-    assert torch.equal(source.score_terms(ids, mask, T, 4, task)[0].nan_to_num(-1), total.nan_to_num(-1))
+    assert torch.equal(source.score(ids, mask, T, 4, task).nan_to_num(-1), total.nan_to_num(-1))
 
 
 def test_a_multi_task_run_learns_from_every_row_and_counts_only_real_nonfinite_scores(tokenizer_dir, tmp_path):
@@ -273,7 +273,7 @@ def test_a_weighted_list_scores_the_sum_and_returns_each_raw_score(tokenizer_dir
     ]  # fmt: skip
     source = RewardSource(None, terms, tok)
     assert source.description == "reward_fn [target_count x 1, the x 0.5, overlong x -2]"
-    total, parts = source.score_terms(ids, mask, T, 4, {"target": ["the", "x"]})
+    total, parts, _ = source.score_terms(ids, mask, T, 4, {"target": ["the", "x"]})
     response_lengths = mask[:, -T:].sum(1).tolist()  # the overlong term reads the token ids
     overlong = [0.0 if n <= 1 else -1.0 if n >= 2 else 0.0 for n in response_lengths]
     assert parts["target_count"].tolist() == [2.0, 0.0] and parts["the"].tolist() == [2.0, 0.0]
@@ -297,7 +297,7 @@ def test_one_trl_function_alone_and_none_as_nan(tokenizer_dir, monkeypatch):
     source = RewardSource(None, "lit_rlhf.verifiable:accuracy", tok)
     assert source.call.form == "trl" and source.terms == [] and source.config_value == "lit_rlhf.verifiable:accuracy"
     with pytest.warns(UserWarning, match="cannot parse the gold answer '\\?'"):
-        total, parts = source.score_terms(ids, mask, T, 4, {"answer": ["1", "?"]})
+        total, parts, _ = source.score_terms(ids, mask, T, 4, {"answer": ["1", "?"]})
     assert parts == {} and total[0] == 0.0 and math.isnan(total[1])  # TRL's None is NaN for on_nonfinite
     with pytest.raises(ValueError, match=r"accuracy: the gold answers are read from the column 'answer', which the "
                                          r"prompt rows lack \(their columns and keywords: \['completion_ids', 'prompts'\]\)"):  # fmt: skip

@@ -199,16 +199,15 @@ class RLHFDataModule(LightningDataModule):
             return path, split or hp.split
         return None if split is None else (hp.train_path, split)
 
-    def row_columns(self, columns: list[str], fmt: str, features: Any = None) -> list[str]:
-        """The source columns kept beside the tokens, for the collator to pass on (none here); ``features``
-        are the source's ``datasets`` features."""
+    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
+        """The source columns kept beside the tokens, for the collator to pass on (none here)."""
         return []
 
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
         columns = [c for c in dataset.column_names if c != FILE_ROW_COLUMN]
         fmt = self.detect_format(columns, path)
-        kept = self.row_columns(columns, fmt, dataset.features)
+        kept = self.row_columns(columns, fmt)
         if kept:  # renamed, so no column of the source can collide with the encoded ones
             dataset = dataset.rename_columns({c: ROW_COLUMN_PREFIX + c for c in kept})
         fn_kwargs = dict(
@@ -368,15 +367,11 @@ class RLHFDataModule(LightningDataModule):
         # checkpoints of earlier versions: no offset, and ``consumed`` counted at one batch size throughout
         batches = state_dict.get("batches")
         if batches is None:
-            batches = consumed // (self.hparams.batch_size * max(1, self._replicas()))
+            replicas = self.trainer.world_size if self.trainer is not None else 1
+            batches = consumed // (self.hparams.batch_size * replicas)
         self._resume = {
             "epoch": int(state_dict.get("epoch", 0)),
             "consumed": consumed,
             "offset": int(state_dict.get("offset", 0)),
             "batches": int(batches),
         }
-
-    def _replicas(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -84,7 +84,7 @@ class PromptDataModule(RLHFDataModule):
     def detect_format(self, columns: list[str], source: str) -> str:
         return detect_prompt_format(columns, source)
 
-    def row_columns(self, columns: list[str], fmt: str, features: Any = None) -> list[str]:
+    def row_columns(self, columns: list[str], fmt: str) -> list[str]:
         """Every column but the prompt's (``fmt``), as TRL's GRPOTrainer passes a row's columns to rewards (a
         chat prompt is passed as ``prompt``: see :func:`parse_prompt`)."""
         return [c for c in columns if c != fmt]

@@ -21,7 +21,13 @@ from transformers import AutoConfig
 
 from lit_rlhf.models.spec import ModelSpec
 
-__all__ = ["adapter_base", "check_one_label", "load_pretrained"]
+__all__ = ["adapter_base", "adapter_config", "check_one_label", "load_pretrained"]
+
+
+def adapter_config(name_or_path: str) -> dict | None:
+    """A local peft adapter folder's ``adapter_config.json``; None for a model folder or a hub id."""
+    file = Path(name_or_path) / "adapter_config.json"
+    return json.loads(file.read_text()) if file.is_file() else None
 
 
 def adapter_base(name_or_path: str) -> str | None:
@@ -31,10 +37,10 @@ def adapter_base(name_or_path: str) -> str | None:
     Raises:
         ValueError: an adapter folder that does not name its base.
     """
-    file = Path(name_or_path) / "adapter_config.json"
-    if not file.is_file():
+    config = adapter_config(name_or_path)
+    if config is None:
         return None
-    base = json.loads(file.read_text()).get("base_model_name_or_path")
+    base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(
             f"{name_or_path} is a peft adapter folder whose adapter_config.json has no base_model_name_or_path: "

@@ -168,7 +168,7 @@ class OnlineEvaluation(LightningModule):
         # 2. Score as in training (screened by scoring.on_nonfinite: non-finite scores stop the evaluation, or
         #    are left out of the means, a batch of none finite too), the monitor on the side, and the KL to
         #    the reference.
-        raw, terms, scored = self.rewards.score_parts(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
+        raw, terms, scored = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)  # (B,), (B,)s
         if sample.env_scores is not None:
             raw = raw + sample.env_scores  # (B,)
         where = f"{stage} after rollout {self.rollouts_done}"

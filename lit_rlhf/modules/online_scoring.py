@@ -199,7 +199,7 @@ class RolloutScoring(LightningModule):
         """
         batches = self.micro_batches(attention_mask, T)
         # (B,) scores, and each function's (B,) raw scores for a reward_fn list and the rows it scored
-        scores, terms, scored = self.rewards.score_parts(input_ids, attention_mask, T, batches, columns)
+        scores, terms, scored = self.rewards.score_terms(input_ids, attention_mask, T, batches, columns)
         if env_scores is not None:
             scores = scores + env_scores  # (B,)
         self.log_reward_terms(terms, scored)
