@@ -15,13 +15,11 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lit_rlhf.batching import Bucketing
 from lit_rlhf.functional import DPO_LOSS_TYPES, chosen_nll, dpo_loss
-from lit_rlhf.guards import NonFiniteError
 from lit_rlhf.models import (
     ModelSpec,
     SharedPrefixLayout,
@@ -37,6 +35,7 @@ from lit_rlhf.models import (
 )
 from lit_rlhf.models import disable_dropout as zero_dropout
 from lit_rlhf.modules.distributed import is_sharded_checkpoint, shard_models, unwrap
+from lit_rlhf.modules.dpo_reference import PrecomputedReference
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -53,7 +52,7 @@ DPO_METRICS = (
 NLL_METRIC = "nll_loss"
 
 
-class DPOModule(SingleModelModule):
+class DPOModule(PrecomputedReference, SingleModelModule):
     """Direct preference optimisation on (prompt, chosen, rejected) batches from
     :class:`~lit_rlhf.data.PreferenceDataModule` (``input_ids``/``attention_mask``/``response_mask`` of
     shape (2B, L), the B chosen rows first): chosen and rejected are scored in one forward, a sequence's
@@ -129,10 +128,7 @@ class DPOModule(SingleModelModule):
             self.reference = frozen_copy(self.model)
         self.strict_loading = False  # the reference is rebuilt in __init__, not checkpointed
         refuse_unsupported_shared_prefix("DPOModule: shared_prefix", shared_prefix, model=self.model, reference=self.reference)
-        # split -> (rows, 2) float32 reference log-probs (chosen, rejected) summed over the response
-        self.ref_logps: dict[str, torch.Tensor] = {}
-        self._ref_sources: dict[str, tuple[int, str]] = {}  # split -> (rows, fingerprint) of the scored data
-        self._reference_released = False
+        self._init_reference_tables()
         metrics = (*DPO_METRICS, NLL_METRIC)
         self.val_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in metrics})
         self.test_metrics = torch.nn.ModuleDict({n.replace("/", "__"): MeanMetric() for n in metrics})
@@ -208,107 +204,11 @@ class DPOModule(SingleModelModule):
             logps, _ = self._logprobs(model, batch, layout)
         return logps
 
-    def _lookup(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
-        if "row_index" not in batch:
-            raise KeyError(
-                "DPOModule(precompute_ref_logprobs=True): batches need a `row_index` (B,) column, as "
-                "PreferenceDataModule's collator gives"
-            )
-        if split not in self.ref_logps:
-            raise RuntimeError(f"DPOModule: no precomputed reference log-probs for the {split} split")
-        table = self.ref_logps[split]  # (rows, 2)
-        pairs = table[batch["row_index"].to(table.device)]  # (B, 2)
-        return torch.cat([pairs[:, 0], pairs[:, 1]])  # (2B,) chosen rows first
-
-    # -- precomputed reference log-probs -----------------------------------------------------------
-    def _precompute(self, splits: tuple[str, ...]) -> None:
-        """Score every pair of the data module's ``splits`` with the reference, keyed by row."""
-        datamodule = self.trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "collator"):
-            raise ValueError(
-                "DPOModule(precompute_ref_logprobs=True) reads the whole data set from a data module with "
-                "`train_dataset`, `val_dataset` and `collator` (PreferenceDataModule); pass one to the Trainer"
-            )
-        for split in splits:
-            dataset = getattr(datamodule, f"{split}_dataset", None)
-            if dataset is None:
-                continue
-            # the tables are looked up by row: another data set under the split's name is scored anew
-            source = (len(dataset), str(getattr(dataset, "_fingerprint", id(dataset))))
-            if self._ref_sources.get(split) == source:
-                continue
-            if self._reference_released:
-                raise RuntimeError(
-                    f"DPOModule(precompute_ref_logprobs=True): the {split} split is not one scored when the fit"
-                    f" started, and the reference was freed after precomputing; build a new module (or give the"
-                    f" data module this {split} split before fit)"
-                )
-            with self.trainer.precision_plugin.forward_context():  # as the policy's forwards (bf16-mixed)
-                self.ref_logps[split] = self._score_dataset(
-                    dataset, datamodule.collator, datamodule.hparams.batch_size, split
-                )
-            self._ref_sources[split] = source
-
-    @torch.no_grad()
-    def _score_dataset(self, dataset: Dataset, collator: Any, batch_size: int, split: str = "train") -> torch.Tensor:
-        """(rows, 2) reference log-probs of (chosen, rejected); each rank scores a share, then all-gather.
-
-        The unshuffled ``DistributedSampler`` pads every rank to the same number of rows, so all ranks
-        run the same forwards (FSDP needs every rank in every forward). Rows that no batch covered and
-        non-finite log-probs (a reference with NaN/inf weights) are refused with different messages.
-        """
-        world, rank = self.trainer.world_size, self.global_rank
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        indices, logps = [], []
-        for batch in DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator):
-            batch = self.transfer_batch_to_device(batch, self.device, 0)
-            indices.append(batch["row_index"])  # (B,)
-            model = self.reference if self.reference is not None else self.model
-            layout = self._pair_layout(model, batch)
-            logps.append(torch.stack(self._score_reference(batch, layout).chunk(2), dim=1))  # (B, 2)
-        indices, logps = torch.cat(indices), torch.cat(logps)  # (n,), (n, 2)
-        if world > 1:
-            indices, logps = self.all_gather(indices).flatten(), self.all_gather(logps).reshape(-1, 2)
-        table = torch.zeros((len(dataset), 2), device=self.device)
-        covered = torch.zeros(len(dataset), dtype=torch.bool, device=self.device)
-        table[indices], covered[indices] = logps, True
-        if not covered.all():
-            missing = (~covered).nonzero().flatten().tolist()
-            raise RuntimeError(
-                f"DPOModule: {len(missing)} rows of the {split} split got no reference log-probs (rows"
-                f" {missing[:8]}{' ...' if len(missing) > 8 else ''}; row_index out of order?)"
-            )
-        bad = (~torch.isfinite(table)).any(dim=1)  # (rows,)
-        if bad.any():
-            rows = bad.nonzero().flatten().tolist()
-            raise NonFiniteError(
-                f"DPOModule(precompute_ref_logprobs=True): the reference model ({self._reference_name()}) gave"
-                f" non-finite (NaN/inf) log-probs for {len(rows)} of {len(table)} pairs of the {split} split"
-                f" (row_index {rows[:8]}{' ...' if len(rows) > 8 else ''}); are its weights finite?"
-            )
-        return table
-
-    def _reference_name(self) -> str:
-        """The reference as the user gave it: its spec's path/config, or the initial policy."""
-        spec = self.hparams.get("reference")
-        if spec is None:
-            spec, which = self.hparams.get("model"), "the initial policy"
-        else:
-            which = "reference"
-        spec = spec if isinstance(spec, dict) else getattr(spec, "__dict__", {})
-        where = spec.get("name_or_path") or ("inline config" if spec.get("config") else None)
-        return f"{which}, {where}" if where else which
-
+    # -- Lightning hooks ---------------------------------------------------------------------------
     @override
     def on_fit_start(self) -> None:
         if self.hparams.precompute_ref_logprobs:
-            datamodule = self.trainer.datamodule
-            held_out = getattr(datamodule, "held_out", None)
-            if held_out is not None and held_out("test") is not None:
-                datamodule.setup("test")  # scored now too: fit() then test() on this module needs no reference
-            self._precompute(("train", "val", "test"))
-            # the reference leaves memory (a LoRA policy's adapters simply stay enabled)
-            self.reference, self._reference_released = None, self.reference is not None
+            self._precompute_for_fit()
 
     @override
     def on_validation_start(self) -> None:
@@ -320,7 +220,6 @@ class DPOModule(SingleModelModule):
         if self.hparams.precompute_ref_logprobs:
             self._precompute(("test",))
 
-    # -- Lightning hooks ---------------------------------------------------------------------------
     @override
     def configure_model(self) -> None:
         shard_models(self, ("model", "reference"))
