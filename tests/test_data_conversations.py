@@ -9,9 +9,9 @@ import json
 import pytest
 from conftest import make_corpus
 
-from lit_rlhf.data import PreferenceDataModule, SFTDataModule
+from lit_rlhf.data import PreferenceDataModule, PromptDataModule, SFTDataModule
 from lit_rlhf.data.formats import DataFormatError, RowRef, detect_sft_format, parse_preference_row
-from lit_rlhf.models.tokenizer import train_bpe_tokenizer
+from lit_rlhf.models.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 REF = RowRef("data.jsonl", 3)
 CHATML = (
@@ -183,6 +183,41 @@ def test_sentencepiece_response_has_no_lone_word_marker(tmp_path):
     together = tok("the food: was good")["input_ids"] + [tok.eos_token_id]
     assert batch["input_ids"][0].tolist() == together
     assert tok.convert_ids_to_tokens(batch["input_ids"][0][batch["response_mask"][0].bool()])[0] == "▁was"
+
+
+def test_a_truncated_prompt_keeps_the_bos_its_tokenizer_adds(tmp_path, tokenizer_dir):
+    """A BOS-adding tokenizer (Llama, Mistral, Gemma): a prompt over max_prompt_length kept its last tokens
+    and lost the BOS, so long prompts were generated from and trained on without it, short ones with it."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save_pretrained(tmp_path / "bos")
+    long = "the food was really good and the staff was very friendly and the room was clean"
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": long}, {"prompt": "we hated it"}])
+    module = PromptDataModule(str(tmp_path / "bos"), path, max_prompt_length=8, val_fraction=0, batch_size=2)
+    module.setup("fit")
+    prompts = {len(ids): ids for ids in module.train_dataset["prompt_input_ids"]}
+    full = tok(long)["input_ids"]
+    assert len(full) > 8 and full[0] == bos
+    assert prompts[8] == [bos, *full[-7:]]  # as a tokenizer truncating from the left cuts it
+    assert all(ids[0] == bos for ids in prompts.values())
+
+
+@pytest.mark.parametrize("strings_from", [1, 3])
+def test_prompts_that_mix_chats_and_strings_are_refused_by_row(tmp_path, chat_tokenizer_dir, strings_from):
+    """A chat prompt carries a conversational `prompt` column for reward functions, a string one none: a file
+    mixing the two crashed inside pyarrow (in one map batch or across two), naming no row."""
+    chat = {"prompt": [{"role": "user", "content": "the food was good"}]}
+    rows = [chat] * strings_from + [{"prompt": "we hated it"}] * 2
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    module = PromptDataModule(chat_tokenizer_dir, path, val_fraction=0, batch_size=2)
+    module.prepare_data_kwargs = None
+    with pytest.raises(DataFormatError, match=rf"row {strings_from} \(0-based\), field 'prompt': the prompt is a"
+                       r" string here and a chat \(a list of messages\) in row 0"):  # fmt: skip
+        module.setup("fit")
 
 
 def test_csv_with_a_byte_order_mark(tmp_path, tokenizer_dir):

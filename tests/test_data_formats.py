@@ -226,6 +226,15 @@ def test_clip_lengths_keeps_prompt_end_and_response_start():
     assert clip_lengths([1, 2, 3], [], 2, None) == ([2, 3], [], True)
 
 
+def test_clip_lengths_keeps_a_leading_bos():
+    # BOS 9 stays first and the prompt's last 3 tokens follow it; a prompt without BOS, or one within its
+    # limit, is cut (or not) as before; a limit of 1 keeps the last token alone
+    assert clip_lengths([9, 1, 2, 3, 4, 5], [[7, 8]], 4, 7, bos_token_id=9) == ([9, 3, 4, 5], [[7, 8]], True)
+    assert clip_lengths([1, 2, 3, 4, 5], [], 4, None, bos_token_id=9) == ([2, 3, 4, 5], [], True)
+    assert clip_lengths([9, 1, 2], [], 4, None, bos_token_id=9) == ([9, 1, 2], [], False)
+    assert clip_lengths([9, 1, 2], [], 1, None, bos_token_id=9) == ([2], [], True)
+
+
 def test_tokenize_rendered_appends_eos_once(tokenizer):
     from lit_rlhf.data.render import Rendered, tokenize_rendered
 

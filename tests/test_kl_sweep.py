@@ -105,6 +105,41 @@ def test_a_decline_in_steps_within_noise_is_a_fall_beyond_it():
     assert shape["proxy_largest_drop"] == pytest.approx(0.45) and shape["proxy_falls"] is True
 
 
+def _run(coef: float, seed: int, proxy: float, gold: float = 0.0) -> dict:
+    return {**_noisy(_point(1.0, gold, proxy)), "coef": coef, "seed": seed}
+
+
+def test_run_variance_by_hand():
+    """Pooled across-seed variance of one coefficient's runs, less the mean evaluation variance."""
+    points = [_run(0.1, 0, 1.0), _run(0.1, 1, 1.2), _run(0.01, 0, 2.0), _run(0.01, 1, 2.3), _run(0.01, 2, 2.6),
+              _run(0.001, 0, 5.0)]  # fmt: skip
+    # squares 0.02 (dof 1) + 0.18 (dof 2) = 0.2 / 3; each evaluation 1^2 / 100; the lone 0.001 run is no replicate
+    assert kl_sweep.run_variance(points, "proxy_mean") == pytest.approx(0.2 / 3 - 0.01)
+    bare = [{k: v for k, v in p.items() if k not in ("proxy_std", "gold_std")} for p in points]
+    assert kl_sweep.run_variance(bare, "proxy_mean") == pytest.approx(0.2 / 3)
+    assert kl_sweep.run_variance(points, "gold_mean") == 0.0  # no scatter beyond the evaluations': not below 0
+    assert kl_sweep.run_variance([_run(0.1, 0, 1.0), _run(0.01, 0, 2.0)], "proxy_mean") == 0.0  # one seed
+
+
+def test_run_variance_widens_the_noise_of_two_runs_and_of_a_run_against_sft():
+    """Each trained point adds the run variance to a difference's variance; the SFT policy adds none."""
+    sft = _noisy(_point(0.0, 0.0, 0.0))
+    within = [_noisy(_point(2.0, 3.0, 1.0)), _noisy(_point(8.0, 5.0, 2.0))]
+    beyond = [*within, _noisy(_point(20.0, 1.0, 1.6))]  # a fall of 0.4 > 0.283 between two runs
+    assert kl_sweep.sweep_shape(beyond, sft)["proxy_falls"] is True
+    # 2 sqrt(0.01 + 0.01 + 2 * 0.02) = 0.49 > 0.4
+    assert kl_sweep.sweep_shape(beyond, sft, {"proxy": 0.02})["proxy_falls"] is False
+    assert kl_sweep.sweep_shape(beyond, sft, {"proxy": 0.02})["peaks_and_falls"] is True
+    # a first run 0.45 under SFT's proxy: the noise is 2 sqrt(0.01 + 0.01 + 0.02) = 0.4 (SFT is no run)
+    under = [_noisy(_point(2.0, 3.0, -0.45)), _noisy(_point(8.0, 5.0, 2.0)), _noisy(_point(20.0, 1.0, 2.1))]
+    shape = kl_sweep.sweep_shape(under, sft, {"proxy": 0.02})
+    assert shape["proxy_falls"] is True and shape["proxy_largest_drop"] == pytest.approx(0.45)
+    # the gold's fall from its peak: 4.0 against 2 sqrt(0.04 + 0.04 + 2 * 1.5) = 3.51, then 2 sqrt(0.08 + 2 * 2.5)
+    rising = [*within, _noisy(_point(20.0, 1.0, 2.1))]
+    assert kl_sweep.sweep_shape(rising, sft, {"gold": 1.5})["peaks_and_falls"] is True
+    assert kl_sweep.sweep_shape(rising, sft, {"gold": 2.5})["peaks_and_falls"] is False
+
+
 def test_the_evaluation_summary_has_the_kls_spread():
     from lit_rlhf.demo.evaluate import summarize
 
@@ -141,15 +176,26 @@ def test_summary_fields_hold_every_point_and_a_shape_per_seed(tmp_path):
     assert sorted((p["coef"], p["seed"]) for p in sweep["points"]) == [(0.01, 0), (0.01, 1), (0.1, 0), (0.1, 1)]
     assert sweep["sft"] == {"kl_ref": 0.0, "gold_mean": 0.0, "gold_std": 0.1, "proxy_mean": 0.0, "proxy_std": 0.1,
                             "grammatical_rate": 0.9, "n_prompts": 1024}  # fmt: skip
-    assert sweep["shape"]["0"]["peaks_and_falls"] is True and sweep["shape"]["0"]["gold_peak_kl"] == 2.0
+    # the two seeds of each coefficient end alike in proxy (run variance 0) and 1 apart (0.1) or 3 apart
+    # (0.01) in gold: pooled variance (0.5 + 4.5) / 2 = 2.5, less the evaluation's 0.1^2 / 1024
+    assert sweep["run_std"]["proxy"] == 0.0
+    assert sweep["run_std"]["gold"] == pytest.approx((2.5 - 0.01 / 1024) ** 0.5)
+    # seed 0's gold falls 2.0 from its peak: beyond evaluation noise alone, within two runs' scatter
+    # (2 sqrt(2 * 2.5) = 4.47)
+    seed0 = sweep["shape"]["0"]
+    assert seed0["peaks_and_falls_evaluation_noise"] is True and seed0["gold_peak_kl"] == 2.0
+    assert seed0["peaks_and_falls"] is False and seed0["proxy_falls_evaluation_noise"] is False
     assert sweep["shape"]["1"]["peaks_and_falls"] is False and sweep["shape"]["1"]["gold_peak"] == 4.0
+    assert sweep["shape"]["1"]["peaks_and_falls_evaluation_noise"] is False
     assert kl_sweep.summary_fields({"ppo": results["ppo"]}, {"ppo": runs["ppo"]}) == {}
     kl_sweep.plot_sweep(sweep, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
     summary = {"overoptimize_sweep": sweep}
-    assert len(kl_sweep.console_lines(summary)) == 2 and "peaks and falls" in kl_sweep.console_lines(summary)[0]
+    assert len(kl_sweep.console_lines(summary)) == 2
+    assert "no peak and fall (yes with evaluation noise alone)" in kl_sweep.console_lines(summary)[0]
     lines = kl_sweep.report_lines(summary)
     assert "coef 0.1: KL 2.0, gold +3.00, proxy +1.00; coef 0.01: KL 9.0" in lines[1]
+    assert "within evaluation noise alone, the picture by that bound): not the textbook picture." in lines[1]
 
 
 @pytest.mark.parametrize(

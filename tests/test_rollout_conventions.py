@@ -4,7 +4,7 @@
   ``min_new_tokens``, ``bad_words_ids``) do not reach the rollout: its tokens and behaviour log-probs are those
   of the same model without them, the lean loop still runs, and the model keeps its file;
 - a response that a stop string ends on its last allowed token is not truncated
-  (``lit_rlhf.engines.base.truncated_rows``).
+  (``lit_rlhf.engines.base.truncated_rows``), and a stop string is matched in the response alone.
 """
 
 from __future__ import annotations
@@ -121,6 +121,10 @@ def test_a_rollout_ended_by_a_stop_string_at_the_limit_is_not_truncated(tokenize
         out = greedy(limit, [stop])
         assert int(out.mask.sum()) == 6 and torch.equal(out.ids[0, :6], free.ids[0])
         assert not bool(out.truncated[0])
+    # a stop string that straddles the prompt's end ("was" + "as") is no match in the response: it ran on to
+    # the limit (generate(stop_strings=...) matched it on the whole sequence and ended the response at "as")
+    out = greedy(6, ["wasas", "food"])
+    assert torch.equal(out.ids, free.ids) and bool(out.mask.all()) and bool(out.truncated[0])
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,26 @@ def test_zero_probability_tokens_are_never_drawn_even_at_the_ends_of_the_uniform
     assert set(tokens.unique().tolist()) == {4}, "a 1e-30 token has no draw in 100k, a zero one never"
 
 
+def test_a_nan_distribution_is_refused_by_name(tokenizer_dir):
+    """A policy with a NaN weight: the inverse-CDF draw found no token and failed on an index out of the
+    vocabulary, naming nothing. It raises NonFiniteError naming the rows, in both decoding loops."""
+    from lit_rlhf.guards import NonFiniteError
+
+    probs = torch.tensor([[0.2, 0.8], [float("nan"), 0.5], [0.5, 0.5]])
+    with pytest.raises(NonFiniteError, match=r"1 of 3 rows is not finite \(rows \[1\]\)"):
+        inverse_cdf_sample(probs)
+    tok = load_tokenizer(tokenizer_dir)
+    model = build_causal_lm(ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, seed=0), tok)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    enc = tok(["the food was", "we hated"], return_tensors="pt", padding=True, padding_side="left")
+    for loop in ("lean", "generate"):
+        settings = GenerationSettings(max_new_tokens=3, sampler="inverse_cdf", decode_loop=loop)
+        with pytest.raises(NonFiniteError, match="logits hold NaN or inf"):
+            generate_responses(model, enc["input_ids"], enc["attention_mask"], settings,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+
+
 def test_rows_are_independent():
     # 2N rows of one distribution: the (even row, odd row) pairs follow the product distribution.
     p = [0.4, 0.3, 0.2, 0.1]

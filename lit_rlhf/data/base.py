@@ -48,8 +48,12 @@ def encode_batch(
     max_prompt_length: int,
     max_length: int | None,
     loss_masks: bool = False,
+    first_row: tuple[int, Text, tuple[str, ...]] | None = None,
 ) -> dict[str, list]:
     """Batched ``Dataset.map`` function: validate, render, tokenise and clip rows.
+
+    ``first_row`` (the source's first row: its number, prompt and extra columns) is what every row must match
+    in extra columns; None: the batch's first row.
 
     Returns ``prompt_input_ids``, ``<slot>_input_ids`` per response slot, the extra columns,
     ``over_length`` (whether the limits cut the row; the length policy reads it) and, with two or more
@@ -76,7 +80,9 @@ def encode_batch(
         **({"identical": []} if len(slots) > 1 else {}),
     }
     for (_, _, extras), prompt, row_responses, row_masks in zip(parsed, prompts, responses, masks):
-        prompt, row_responses, over = clip_lengths(prompt, row_responses, max_prompt_length, max_length)
+        prompt, row_responses, over = clip_lengths(
+            prompt, row_responses, max_prompt_length, max_length, tokenizer.bos_token_id
+        )
         out["prompt_input_ids"].append(prompt)
         out["over_length"].append(over)
         for slot, ids, mask in zip(slots, row_responses, row_masks):
@@ -87,7 +93,26 @@ def encode_batch(
             out["identical"].append(all(ids == row_responses[0] for ids in row_responses[1:]))
         for name, value in extras.items():
             out.setdefault(name, []).append(value)
+    if parsed:
+        _check_extras(parsed, indices, source, first_row or (indices[0], parsed[0][0], tuple(sorted(parsed[0][2]))))
     return out
+
+
+def _check_extras(
+    parsed: list[tuple], indices: list[int], source: str, first: tuple[int, Text, tuple[str, ...]]
+) -> None:
+    """Every row must give the first row's extra columns (a chat ``prompt`` gives one, a string none): a source
+    whose column mixes the two forms is refused at the first row that differs."""
+
+    def form(prompt: Text) -> str:
+        return "a chat (a list of messages)" if isinstance(prompt, list) else "a string"
+
+    for (prompt, _, extras), i in zip(parsed, indices):
+        if tuple(sorted(extras)) != first[2]:
+            raise DataFormatError(
+                source, f"the prompt is {form(prompt)} here and {form(first[1])} in row {first[0]}; use one form"
+                " in every row", row=i, field="prompt",
+            )  # fmt: skip
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -203,6 +228,15 @@ class RLHFDataModule(LightningDataModule):
         """The source columns kept beside the tokens, for the collator to pass on (none here)."""
         return []
 
+    def _first_row(self, dataset: Dataset, fmt: str, path: str) -> tuple[int, Text, tuple[str, ...]] | None:
+        """(number, prompt, extra columns) of the source's first row, which every row's extra columns match."""
+        if len(dataset) == 0:
+            return None
+        row = dict(dataset[0])
+        number = row.pop(FILE_ROW_COLUMN, 0)
+        prompt, _, extras = type(self).parse(row, fmt, RowRef(path, number))
+        return number, prompt, tuple(sorted(extras))
+
     def _encode(self, path: str, split: str) -> Dataset:
         dataset = load_source(path, split, self.hparams.cache_dir)
         columns = [c for c in dataset.column_names if c != FILE_ROW_COLUMN]
@@ -219,6 +253,7 @@ class RLHFDataModule(LightningDataModule):
             max_prompt_length=self.hparams.max_prompt_length,
             max_length=self.hparams.get("max_length"),
             loss_masks=self.loss_masks,
+            first_row=self._first_row(dataset, fmt, path),
         )
         try:
             return dataset.map(

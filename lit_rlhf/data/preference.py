@@ -67,7 +67,7 @@ class PreferenceDataModule(RLHFDataModule):
             split: split of a hub dataset or saved DatasetDict; of a local file: "train" (all rows) or
                 a slice such as "train[:1200]".
             max_length: token limit of prompt + response (each of chosen and rejected).
-            max_prompt_length: token limit of the prompt (its end is kept when truncating).
+            max_prompt_length: token limit of the prompt (its end is kept when truncating, after a leading BOS).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
                 A truncated pair whose chosen and rejected tokens are then identical (they differ only past
                 ``max_length``) is dropped as well (zero gradient), counted as ``stats[split]["identical"]``.

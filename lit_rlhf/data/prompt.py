@@ -59,7 +59,7 @@ class PromptDataModule(RLHFDataModule):
             val_path: validation source like ``train_path``; None carves ``val_fraction`` from the training rows
                 (unless ``val_split`` names a held-out split of ``train_path``).
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
-            max_prompt_length: token limit of a prompt (its end is kept when truncating).
+            max_prompt_length: token limit of a prompt (its end is kept when truncating, after a leading BOS).
             length_policy: over-long prompts are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
             batch_size: prompts per training batch (per rank).
             val_batch_size: prompts per validation batch; None means ``batch_size``.

@@ -185,16 +185,24 @@ def _response_ids(
 
 
 def clip_lengths(
-    prompt: list[int], responses: list[list[int]], max_prompt_length: int, max_length: int | None
+    prompt: list[int],
+    responses: list[list[int]],
+    max_prompt_length: int,
+    max_length: int | None,
+    bos_token_id: int | None = None,
 ) -> tuple[list[int], list[list[int]], bool]:
     """Apply the length limits; returns (prompt, responses, over_limit).
 
     The prompt keeps its *last* ``max_prompt_length`` tokens (the text nearest the response matters
-    most); each response keeps its *first* ``max_length - len(prompt)`` tokens (it then lacks EOS, i.e.
-    it is truncated). ``over_limit`` says whether anything was cut.
+    most) after its leading ``bos_token_id``, which stays where the prompt starts with one (as a Hugging
+    Face tokenizer truncating from the left keeps the special tokens it adds): a model trained with BOS never
+    sees a long prompt without it. Each response keeps its *first* ``max_length - len(prompt)`` tokens (it
+    then lacks EOS, i.e. it is truncated). ``over_limit`` says whether anything was cut.
     """
     over = len(prompt) > max_prompt_length
-    prompt = prompt[-max_prompt_length:]
+    if over:
+        keep_bos = bos_token_id is not None and max_prompt_length > 1 and prompt[0] == bos_token_id
+        prompt = [prompt[0], *prompt[len(prompt) - max_prompt_length + 1 :]] if keep_bos else prompt[-max_prompt_length:]
     if max_length is not None:
         budget = max_length - len(prompt)
         over = over or any(len(r) > budget for r in responses)

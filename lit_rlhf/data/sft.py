@@ -55,7 +55,7 @@ class SFTDataModule(RLHFDataModule):
                 (unless ``val_split`` names a held-out split of ``train_path``).
             val_fraction: seeded fraction of the training rows held out for validation when ``val_path`` is None.
             max_length: token limit of prompt + completion.
-            max_prompt_length: token limit of the prompt (its end is kept when truncating).
+            max_prompt_length: token limit of the prompt (its end is kept when truncating, after a leading BOS).
             length_policy: over-long rows are "truncate"d or "drop"ped; counts are logged and kept in ``stats``.
             batch_size: rows per training batch.
             val_batch_size: rows per validation batch; None means ``batch_size``.

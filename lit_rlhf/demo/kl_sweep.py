@@ -10,8 +10,10 @@ score), all measured on the held-out evaluation prompts. A weaker penalty lets t
 the reference: along the sweep the proxy rises with the KL while the gold first rises and then falls.
 The SFT policy itself is the point at KL 0.
 
-Summary keys: ``overoptimize_sweep`` (``points``: one per run; ``sft``: the KL-0 point; ``shape``: per seed,
-:func:`sweep_shape`) and the plot ``overoptimize_kl_sweep.png``.
+Summary keys: ``overoptimize_sweep`` (``points``: one per run; ``sft``: the KL-0 point; ``run_std``: how far
+the final proxy and gold of two runs of one coefficient scatter, from the seeds (:func:`run_variance`);
+``shape``: per seed, :func:`sweep_shape` with that scatter, and with evaluation noise alone under
+``*_evaluation_noise``) and the plot ``overoptimize_kl_sweep.png``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ BASE = "ppo_overoptimize"  # the config every run of the sweep starts from
 PREFIX = f"{BASE}_kl"  # run names: ppo_overoptimize_kl0.01, ppo_overoptimize_kl0.01_seed1
 SFT_WEAK = "sft_weak_proxy"  # the SFT policy evaluated with the weak RM as its proxy (the KL-0 point)
 
-__all__ = ["is_sweep_run", "parse_coefs", "plot_sweep", "run_name", "sweep_config", "sweep_shape", "summary_fields"]
+__all__ = [
+    "is_sweep_run", "parse_coefs", "plot_sweep", "run_name", "run_variance", "sweep_config", "sweep_shape",
+    "summary_fields",
+]  # fmt: skip
 
 
 def parse_coefs(text: str) -> list[float]:
@@ -66,28 +71,62 @@ def sweep_config(base: dict, coef: float, seed: int, out: Path) -> tuple[str, di
     return run, config
 
 
-def _noise(a: dict, b: dict, key: str) -> float:
-    """Two standard errors of the difference of two points' means of ``key`` (0 without their spreads)."""
-    if f"{key}_std" not in a or f"{key}_std" not in b:
-        return 0.0
-    variance = a[f"{key}_std"] ** 2 / a["n_prompts"] + b[f"{key}_std"] ** 2 / b["n_prompts"]
+def _noise(a: dict, b: dict, key: str, run_var: float = 0.0) -> float:
+    """Two standard errors of the difference of two points' means of ``key``: each point's evaluation
+    variance (``{key}_std`` squared over ``n_prompts``; 0 without the spread) plus ``run_var`` per point that
+    is a training run (``a``/``b`` with ``"trained": True``; the SFT point is not)."""
+    variance = sum(
+        (p[f"{key}_std"] ** 2 / p["n_prompts"] if f"{key}_std" in p else 0.0) + (run_var if p.get("trained") else 0.0)
+        for p in (a, b)
+    )
     return 2.0 * math.sqrt(variance)
 
 
-def sweep_shape(points: Sequence[dict], sft: dict) -> dict[str, Any]:
+def run_variance(points: Sequence[dict], key: str) -> float:
+    """The variance of ``key`` between training runs of one KL coefficient, beyond their evaluations' noise.
+
+    Runs of one coefficient with other seeds are replicates: the pooled variance of their ``key`` across seeds
+    (sum of squared deviations from each coefficient's mean over the sum of (seeds - 1)) holds both how far
+    one run ends from another and each evaluation's sampling noise; the mean evaluation variance
+    (``{key}_std`` squared over ``n_prompts``) is taken off, and what remains (at least 0) is the runs' own.
+    Where the seeds of one coefficient end at different KLs on a steep part of the curve, that difference
+    counts as scatter too, so the bound is the looser there. 0 without a coefficient of two seeds or more.
+    """
+    by_coef: dict[float, list[dict]] = {}
+    for p in points:
+        by_coef.setdefault(p["coef"], []).append(p)
+    groups = [g for g in by_coef.values() if len(g) > 1]
+    if not groups:
+        return 0.0
+    squares, dof = 0.0, 0
+    for group in groups:
+        mean = sum(p[key] for p in group) / len(group)
+        squares, dof = squares + sum((p[key] - mean) ** 2 for p in group), dof + len(group) - 1
+    replicated = [p for g in groups for p in g]
+    name = key.removesuffix("_mean")
+    evaluation = sum(p[f"{name}_std"] ** 2 / p["n_prompts"] for p in replicated if f"{name}_std" in p)
+    return max(0.0, squares / dof - evaluation / len(replicated))
+
+
+def sweep_shape(points: Sequence[dict], sft: dict, run_var: dict[str, float] | None = None) -> dict[str, Any]:
     """Gao et al.'s picture read from one seed's sweep points, the SFT policy as the point at KL 0.
 
     Args:
         points: ``{"kl_ref", "gold_mean", "proxy_mean"}`` of each run of one seed (any order), optionally
             with ``kl_ref_std``, ``gold_std``, ``proxy_std`` and ``n_prompts`` (the evaluation's spreads and size).
         sft: the same keys for the SFT policy (its proxy by the weak RM).
+        run_var: ``{"proxy": v, "gold": v}``, how far one training run's final ``proxy_mean`` / ``gold_mean``
+            scatters from another's at the same setting (:func:`run_variance`, from the sweep's seeds); added to
+            the noise of every point but the SFT policy's. None: evaluation noise alone.
 
     A difference between two points counts when it exceeds two standard errors of the difference of their
     means (independent samples of ``n_prompts`` responses each; exactly 0 without the spreads): at the
     plateau of the proxy, the means of neighbouring points differ by sampling noise alone. The KL of a
     point is such a mean too, so one point lies at a larger KL than another only when their KLs differ
     beyond their noise; two runs that end at the same KL within it have no order along the KL, and a
-    difference of their proxies is no fall.
+    difference of their proxies is no fall. Two points are two training runs, so with ``run_var`` the noise of
+    a proxy or gold difference also holds how far two runs of one setting end apart; the KL's order is read
+    from the evaluations alone.
 
     Returns (rewards relative to the SFT policy's, points in order of KL): ``proxy_rise`` (proxy at the
     largest KL), ``proxy_largest_drop`` (the largest fall of the proxy from any point to one at a larger KL
@@ -96,7 +135,8 @@ def sweep_shape(points: Sequence[dict], sft: dict) -> dict[str, Any]:
     proxy rises (above SFT's, with no fall beyond noise), the gold peaks at a point between KL 0 and the
     largest KL, and the gold at the largest KL is below that peak beyond noise.
     """
-    ordered = [sft, *sorted(points, key=lambda p: p["kl_ref"])]
+    run_var = run_var or {}
+    ordered = [sft, *sorted(({**p, "trained": True} for p in points), key=lambda p: p["kl_ref"])]
     proxy = [p["proxy_mean"] - sft["proxy_mean"] for p in ordered]  # (P + 1,)
     gold = [p["gold_mean"] - sft["gold_mean"] for p in ordered]  # (P + 1,)
     peak = max(range(len(gold)), key=gold.__getitem__)
@@ -107,9 +147,9 @@ def sweep_shape(points: Sequence[dict], sft: dict) -> dict[str, Any]:
         if ordered[j]["kl_ref"] - ordered[i]["kl_ref"] > _noise(ordered[i], ordered[j], "kl_ref")
     ]
     drops = [proxy[i] - proxy[j] for i, j in pairs]  # (pairs,)
-    noise = [_noise(ordered[i], ordered[j], "proxy") for i, j in pairs]  # (pairs,)
+    noise = [_noise(ordered[i], ordered[j], "proxy", run_var.get("proxy", 0.0)) for i, j in pairs]  # (pairs,)
     proxy_falls = any(drop > tolerance for drop, tolerance in zip(drops, noise))
-    gold_falls = gold[peak] - gold[-1] > _noise(ordered[peak], ordered[-1], "gold")
+    gold_falls = gold[peak] - gold[-1] > _noise(ordered[peak], ordered[-1], "gold", run_var.get("gold", 0.0))
     return {
         "proxy_rise": proxy[-1],
         "proxy_largest_drop": max([0.0, *drops]),
@@ -140,9 +180,15 @@ def summary_fields(results: dict, runs: dict) -> dict[str, Any]:
         points.append({"run": run, "coef": config["model"]["init_args"]["kl"]["coef"],
                        "seed": config["seed_everything"], **fields(results[run]["summary"])})  # fmt: skip
     sft = fields(results[SFT_WEAK]["summary"])
-    seeds = sorted({p["seed"] for p in points})
-    shape = {str(s): sweep_shape([p for p in points if p["seed"] == s], sft) for s in seeds}
-    return {"overoptimize_sweep": {"points": points, "sft": sft, "shape": shape}}
+    run_var = {key: run_variance(points, f"{key}_mean") for key in ("proxy", "gold")}
+    shape = {}
+    for seed in sorted({p["seed"] for p in points}):
+        own = [p for p in points if p["seed"] == seed]
+        strict = sweep_shape(own, sft)  # evaluation noise alone: two runs of one setting taken to end alike
+        shape[str(seed)] = {**sweep_shape(own, sft, run_var), "proxy_falls_evaluation_noise": strict["proxy_falls"],
+                            "peaks_and_falls_evaluation_noise": strict["peaks_and_falls"]}  # fmt: skip
+    run_std = {key: math.sqrt(v) for key, v in run_var.items()}
+    return {"overoptimize_sweep": {"points": points, "sft": sft, "run_std": run_std, "shape": shape}}
 
 
 def plot_sweep(sweep: dict, path: Path) -> None:
@@ -192,9 +238,19 @@ def report_lines(summary: dict) -> list[str]:
         lines.append(
             f"  - seed {seed}: {row}. Gold peaks at {shape['gold_peak']:+.2f} at KL {shape['gold_peak_kl']:.1f},"
             f" ends at {shape['gold_at_largest_kl']:+.2f}; the proxy's largest fall {shape['proxy_largest_drop']:.2f}"
-            f" ({'beyond' if shape['proxy_falls'] else 'within'} sampling noise): {verdict}."
+            f" ({'beyond' if shape['proxy_falls'] else 'within'} the noise of two runs, run-to-run scatter"
+            f" {sweep.get('run_std', {}).get('proxy', 0.0):.3f}; {_strict(shape)}): {verdict}."
         )
     return lines
+
+
+def _strict(shape: dict) -> str:
+    """The verdict with evaluation noise alone, as a clause."""
+    if "proxy_falls_evaluation_noise" not in shape:
+        return "no evaluation-noise-only verdict"
+    fall = "beyond" if shape["proxy_falls_evaluation_noise"] else "within"
+    picture = "the picture" if shape["peaks_and_falls_evaluation_noise"] else "not the picture"
+    return f"{fall} evaluation noise alone, {picture} by that bound"
 
 
 def console_lines(summary: dict) -> list[str]:
@@ -206,5 +262,6 @@ def console_lines(summary: dict) -> list[str]:
         f"  KL sweep seed {seed}: gold peak {s['gold_peak']:+.2f} at KL {s['gold_peak_kl']:.1f}, at the largest KL"
         f" {s['gold_at_largest_kl']:+.2f}; proxy {s['proxy_rise']:+.2f} (largest fall {s['proxy_largest_drop']:.2f})"
         f" -> {'peaks and falls' if s['peaks_and_falls'] else 'no peak and fall'}"
+        f" ({'yes' if s.get('peaks_and_falls_evaluation_noise') else 'no'} with evaluation noise alone)"
         for seed, s in sweep["shape"].items()
     ]

@@ -17,7 +17,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from lit_rlhf.engines.base import Responses, truncated_rows
 from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
@@ -57,6 +63,30 @@ def response_mask_from_tokens(
     stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()
     response_mask = (stops_before == 0) & (responses != pad_token_id)
     return response_mask, is_stop.any(dim=1)
+
+
+class ResponseStopStrings(StoppingCriteria):
+    """``transformers``' ``StopStringCriteria`` on the response columns only.
+
+    ``generate(stop_strings=...)`` matches on the whole sequence, prompt included: a stop string that straddles
+    the prompt's end ("\\n\\n" after a prompt ending in "\\n", as chat generation prompts do) ended a response
+    after its first token, which holds no match. vLLM matches in the generated text alone; so does this.
+    """
+
+    def __init__(self, tokenizer: object, stop_strings: list[str], prompt_length: int) -> None:
+        self.inner, self.prompt_length = StopStringCriteria(tokenizer, stop_strings), prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.inner(input_ids[:, self.prompt_length :], scores, **kwargs)  # (B,)
+
+    @classmethod
+    def criteria(cls, tokenizer: object | None, stop_strings: list[str], prompt_length: int) -> StoppingCriteriaList | None:
+        """The ``stopping_criteria`` of a rollout with ``stop_strings`` (None without them)."""
+        if not stop_strings:
+            return None
+        if tokenizer is None:
+            raise ValueError("generation.stop_strings needs the tokenizer that decodes the responses")
+        return StoppingCriteriaList([cls(tokenizer, list(stop_strings), prompt_length)])
 
 
 def generation_kwargs(
@@ -105,8 +135,7 @@ def generation_kwargs(
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
         suppress_tokens=[pad_token_id] if greedy else None,
-        stop_strings=settings.stop_strings or None,
-        tokenizer=tokenizer if settings.stop_strings else None,
+        stopping_criteria=ResponseStopStrings.criteria(tokenizer, settings.stop_strings, input_ids.shape[1]),
         use_cache=True,
         synced_gpus=synced_gpus,
     )

@@ -115,7 +115,7 @@ def lean_unsupported(model: torch.nn.Module, generate_kwargs: dict) -> str | Non
     """
     if generate_kwargs.get("synced_gpus"):
         return "synced_gpus (every rank runs generate's loop)"
-    if generate_kwargs.get("stop_strings"):
+    if generate_kwargs.get("stop_strings") or generate_kwargs.get("stopping_criteria"):
         return "stop strings (generate matches them on decoded text)"
     config = getattr(model, "config", None)
     if (

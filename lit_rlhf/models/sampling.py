@@ -34,6 +34,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from lit_rlhf.functional import entropy_from_logits
+from lit_rlhf.guards import NonFiniteError
 
 SAMPLERS = ("auto", "inverse_cdf", "multinomial")
 # "auto" samples by inverse CDF from this vocabulary size on (CPU): 8 rows x 32,000 entries cost 5.3 ms
@@ -62,6 +63,10 @@ def inverse_cdf_sample(
 
     Returns:
         (B,) int64 token ids.
+
+    Raises:
+        NonFiniteError: a row of ``probs`` holds NaN (the policy's logits were not finite), where
+            ``torch.multinomial`` raises too.
     """
     cdf = probs.cumsum(dim=-1)  # (B, V)
     if probs.device.type != "cpu":
@@ -69,7 +74,14 @@ def inverse_cdf_sample(
     if uniform is None:
         uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
     u = (1 - uniform.to(cdf.dtype)) * cdf[:, -1:]  # (B, 1) in (0, total]
-    return torch.searchsorted(cdf, u).squeeze(1)  # (B,) first i with cdf[i] >= u
+    tokens = torch.searchsorted(cdf, u).squeeze(1)  # (B,) first i with cdf[i] >= u
+    if bool((tokens >= probs.shape[-1]).any()):  # a NaN weight: no cumulative sum reaches u
+        rows = (tokens >= probs.shape[-1]).nonzero().flatten().tolist()
+        raise NonFiniteError(
+            f"sampling: the next-token distribution of {len(rows)} of {len(tokens)} rows is not finite (rows"
+            f" {rows[:8]}{' ...' if len(rows) > 8 else ''}): the policy's logits hold NaN or inf; are its weights finite?"
+        )
+    return tokens
 
 
 def log_normaliser(scores: torch.Tensor) -> torch.Tensor:
