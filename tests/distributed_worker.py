@@ -71,7 +71,7 @@ def make_trainer(args, run: str, **kwargs) -> Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
-        use_distributed_sampler=False,  # see loader()
+        use_distributed_sampler=kwargs.pop("use_distributed_sampler", False),  # see loader()
         **kwargs,
     )
 
@@ -125,8 +125,11 @@ def run_rm(args, tok) -> dict:
     module = RewardModelModule(
         ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0), optimizer=adamw(1e-2), scheduler=None
     )
-    make_trainer(args, "rm", max_steps=3).fit(module, preference_loader(args, tok))
-    return {"loss": [r["train/loss"] for r in read_csv(args.out, "rm") if "train/loss" in r]}
+    trainer = make_trainer(args, "rm", max_steps=3)
+    trainer.fit(module, preference_loader(args, tok))
+    trainer.validate(module, preference_loader(args, tok))  # val/loss: the mean over every rank's pairs
+    rows = read_csv(args.out, "rm")
+    return {"loss": [r["train/loss"] for r in rows if "train/loss" in r], "val_loss": [r["val/loss"] for r in rows if "val/loss" in r]}
 
 
 # -- PPO ---------------------------------------------------------------------------------------------
@@ -308,13 +311,13 @@ def run_multiturn(args, tok) -> dict:
 
 
 # -- DPO ---------------------------------------------------------------------------------------------
-def dpo_data(args) -> PreferenceDataModule:
+def dpo_data(args, rows: int = 24) -> PreferenceDataModule:
     """24 pairs ('X good ...' over 'X bad ...') through PreferenceDataModule: its ResumableSampler gives
     rank r positions r, r+2, ... of one seeded permutation, so a per-rank batch of GLOBAL_BATCH / 2 pairs
     makes the same global batches as the single process's GLOBAL_BATCH."""
-    path = Path(args.out) / f"dpo_pairs_{os.environ.get('RANK', '0')}.jsonl"  # one writer per file
+    path = Path(args.out) / f"dpo_pairs_{rows}_{os.environ.get('RANK', '0')}.jsonl"  # one writer per file
     with path.open("w") as f:
-        for i in range(24):
+        for i in range(rows):
             row = {"prompt": PROMPTS[i % 8], "chosen": " good" * (1 + i % 3), "rejected": " bad" * (1 + i % 2)}
             f.write(json.dumps(row) + "\n")
     world = 1 if args.strategy == "single" else 2
@@ -338,7 +341,13 @@ def run_dpo(args, run: str, precompute: bool) -> dict:
     make_trainer(args, run, max_steps=3, num_sanity_val_steps=0).fit(module, dpo_data(args))
     module.export_pretrained(str(Path(args.out) / f"{run}_export"))
     rows = read_csv(args.out, run)
-    return {key: [r[key] for r in rows if key in r] for key in ("train/loss", "train/rewards/margins", "val/loss")}
+    result = {key: [r[key] for r in rows if key in r] for key in ("train/loss", "train/rewards/margins", "val/loss")}
+    if not precompute:
+        # 23 held-out pairs with Lightning's distributed sampler: 12 and 11 per rank, no pair counted twice
+        make_trainer(args, f"{run}_val23", use_distributed_sampler=True).validate(module, dpo_data(args, rows=23))
+        rows = read_csv(args.out, f"{run}_val23")
+        result["val23"] = [rows[-1]["val/loss"], rows[-1]["val/rewards/accuracies"], rows[-1]["val/rewards/margins"]]
+    return result
 
 
 def main() -> None:

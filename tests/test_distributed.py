@@ -66,6 +66,9 @@ def test_losses_equal_single_process(run, strategy):
     # RM: 3 optimiser steps on the same global batches; step 1 checks the sharded forward, steps 2-3
     # that the reduced gradients (and the optimiser on shards) equal the single process's.
     assert_close_lists(dist["rm"]["loss"], single["rm"]["loss"], f"{strategy} rm train/loss")
+    # validation on all 24 pairs, 12 per rank: the logged loss is the mean over both ranks (was rank 0's)
+    assert len(single["rm"]["val_loss"]) == 1
+    assert_close_lists(dist["rm"]["val_loss"], single["rm"]["val_loss"], f"{strategy} rm val/loss")
     for run_name in ("ppo", "ppo_lora"):
         expected, actual = single[run_name]["metrics"], dist[run_name]["metrics"]
         # The worker's exact-equality preconditions: every response has the full length T = 6
@@ -115,8 +118,12 @@ def test_dpo_losses_equal_single_process(run, strategy):
     # 3 optimiser steps on the same global batches of 8 pairs (4 per rank), then validation on all 24;
     # the precomputed run scores the data sets with each rank's share and all-gathers them.
     single, dist = run("single"), run(strategy)
+    # validation of 23 pairs on two ranks (Lightning's sampler injected): each pair counted once, as in one process
+    assert_close_lists(dist["dpo"]["val23"], single["dpo"]["val23"], f"{strategy} dpo 23-pair validation")
     for name in ("dpo", "dpo_precomputed"):
         for key, values in single[name].items():
+            if key == "val23":
+                continue
             assert len(values) == (1 if key == "val/loss" else 3), (name, key, values)
             assert_close_lists(dist[name][key], values, f"{strategy} {name} {key}")
     assert_close_lists(single["dpo_precomputed"]["train/loss"], single["dpo"]["train/loss"], "precomputed vs live")

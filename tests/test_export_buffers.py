@@ -33,3 +33,22 @@ def test_unloaded_buffers_come_from_the_live_model():
     check_finite_weights(fresh, "export")  # raises on a non-finite parameter or buffer
     ids = torch.randint(0, 300, (2, 7))
     torch.testing.assert_close(fresh(ids).logits, live(ids).logits, rtol=0, atol=0)
+
+
+def test_a_tied_lora_model_stays_tied_in_the_export_copy(tokenizer_dir):
+    """GPT-2's tied embeddings under LoRA: ``to_empty`` gave the input and output embeddings separate
+    tensors, so the FSDP export merged an untied model (an lm_head of its own, tie_word_embeddings false)."""
+    from conftest import gpt2_config
+
+    from lit_rlhf.models import ModelSpec, build_causal_lm, load_tokenizer
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    live = build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=0, lora=lora),
+                           load_tokenizer(tokenizer_dir))  # fmt: skip
+    fresh = _empty_like(live, torch.float32)
+    fresh.load_state_dict(live.state_dict())
+    base = fresh.get_base_model()
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    merged = fresh.merge_and_unload()
+    assert merged.config.tie_word_embeddings
+    assert merged.get_output_embeddings().weight is merged.get_input_embeddings().weight

@@ -98,8 +98,9 @@ def test_a_nan_distribution_is_refused_by_name(tokenizer_dir):
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     enc = tok(["the food was", "we hated"], return_tensors="pt", padding=True, padding_side="left")
-    for loop in ("lean", "generate"):
-        settings = GenerationSettings(max_new_tokens=3, sampler="inverse_cdf", decode_loop=loop)
+    for loop, sampler in (("lean", "inverse_cdf"), ("generate", "inverse_cdf"), ("lean", "multinomial"),
+                          ("generate", "multinomial")):  # fmt: skip
+        settings = GenerationSettings(max_new_tokens=3, sampler=sampler, decode_loop=loop)
         with pytest.raises(NonFiniteError, match="logits hold NaN or inf"):
             generate_responses(model, enc["input_ids"], enc["attention_mask"], settings,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip

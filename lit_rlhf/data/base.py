@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lit_rlhf.data.collators import ROW_COLUMN_PREFIX
 from lit_rlhf.data.formats import DataFormatError, RowRef, Text
 from lit_rlhf.data.render import clip_lengths, render, tokenize_rendered
-from lit_rlhf.data.sampler import ResumableSampler
+from lit_rlhf.data.sampler import HeldOutBatches, ResumableSampler
 from lit_rlhf.data.sources import FILE_ROW_COLUMN, carve_validation, check_text_file, load_source
 from lit_rlhf.models.tokenizer import load_tokenizer
 
@@ -327,7 +327,7 @@ class RLHFDataModule(LightningDataModule):
                 )
             return []  # fit without validation rows: Lightning skips validation on an empty list
         hp = self.hparams
-        return self._loader(self.val_dataset, hp.val_batch_size or hp.batch_size, None, False)
+        return self._held_out_loader(self.val_dataset, hp.val_batch_size or hp.batch_size)
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -337,10 +337,21 @@ class RLHFDataModule(LightningDataModule):
                 f" `train_path`, e.g. --data.init_args.test_path={self.example_test_file})"
             )
         hp = self.hparams
-        return self._loader(self.test_dataset, hp.val_batch_size or hp.batch_size, None, False)
+        return self._held_out_loader(self.test_dataset, hp.val_batch_size or hp.batch_size)
 
     def _drop_last(self) -> bool:
         return bool(self.hparams.get("drop_last", False))
+
+    def _held_out_loader(self, dataset: Dataset, batch_size: int) -> DataLoader:
+        """Validation/test batches in order, each row once on any number of ranks (:class:`HeldOutBatches`)."""
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_sampler=HeldOutBatches(SequentialSampler(dataset), batch_size, drop_last=False),
+            collate_fn=self.collator,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any, drop_last: bool) -> DataLoader:
         workers = self.hparams.num_workers

@@ -11,11 +11,11 @@ with exactly the batch that would have come next. Code driving the sampler by ha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 
 class ResumableSampler(DistributedSampler):
@@ -83,3 +83,43 @@ class ResumableSampler(DistributedSampler):
             pad = -len(rest) % self.num_replicas
             rest += (order * math.ceil(pad / n))[:pad] if pad else []
         return iter(rest[self.rank :: self.num_replicas])
+
+
+class HeldOutBatches(BatchSampler):
+    """Batches of held-out rows (validation, test), every row once, on every number of ranks.
+
+    One process: plain batches of ``batch_size`` in order. Several: Lightning injects a
+    ``DistributedSampler`` as ``sampler`` (it re-instantiates this class with it), which pads the ranks
+    to equal shares by repeating rows: metrics would count those rows twice. Here rank ``r`` takes rows
+    ``r, r + world, ...`` (the unshuffled sampler's shares without the padding), cut into as many batches
+    as padding would give every rank (``ceil(rows / (world * batch_size))``), sized as evenly as possible
+    and never above ``batch_size``: every rank runs the same number of steps (FSDP's collective forwards,
+    synced generation and per-step reductions stay in step) and each row counts once in the means,
+    which Lightning and torchmetrics reduce weighted by rows. Only with fewer rows than that number of
+    batches on some rank (fewer rows than ranks) is the sampler's padding kept.
+    """
+
+    def __init__(self, sampler: Sampler[int] | Iterable[int], batch_size: int, drop_last: bool = False) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+
+    def _shares(self) -> list[list[int]] | None:
+        """This rank's batches (None: one process, or too few rows: the sampler's own batches)."""
+        sampler = self.sampler
+        if not isinstance(sampler, DistributedSampler) or sampler.num_replicas == 1:
+            return None
+        rows, world = len(sampler.dataset), sampler.num_replicas
+        own = list(range(sampler.rank, rows, world))  # this rank's rows, unpadded
+        batches = math.ceil(rows / (world * self.batch_size))
+        if rows < world * batches:  # some rank would hold fewer rows than batches
+            return None
+        size, extra = divmod(len(own), batches)
+        bounds = [i * size + min(i, extra) for i in range(batches + 1)]
+        return [own[bounds[i] : bounds[i + 1]] for i in range(batches)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shares = self._shares()
+        return iter(shares) if shares is not None else super().__iter__()
+
+    def __len__(self) -> int:
+        shares = self._shares()
+        return len(shares) if shares is not None else super().__len__()

@@ -27,6 +27,7 @@ from transformers import (
 
 from lit_rlhf.engines.base import Responses, truncated_rows
 from lit_rlhf.engines.lean_decode import lean_decode, lean_unsupported
+from lit_rlhf.guards import NonFiniteError
 from lit_rlhf.models import position_ids_from_mask
 from lit_rlhf.models.decoding import cached_autocast_casts, decoding_lm_head, output_vocab_size
 from lit_rlhf.models.prefill import cache_argument, is_grouped, prefill_groups
@@ -194,7 +195,7 @@ def generate_responses(
     with rollout_generation_config(model):  # the model file's processors (repetition_penalty, ...) stay out
         lean = _uses_lean_loop(model, kwargs, settings.decode_loop)
         head = decoding_lm_head(model, settings.decoding_head, rows=input_ids.shape[0])
-        with head, cached_autocast_casts(model):
+        with head, cached_autocast_casts(model), _named_nonfinite_draws():
             if lean:
                 responses = lean_decode(
                     model, input_ids, attention_mask, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
@@ -204,6 +205,20 @@ def generate_responses(
             else:
                 responses = model.generate(**kwargs)[:, input_ids.shape[1] :]
     return _responses(responses, stop_ids, pad_token_id, settings, recorder, tokenizer)
+
+
+@contextmanager
+def _named_nonfinite_draws() -> Iterator[None]:
+    """``torch.multinomial``'s error on a NaN/inf distribution as the inverse-CDF sampler's ``NonFiniteError``."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "probability tensor contains" not in str(err):
+            raise
+        raise NonFiniteError(
+            f"sampling: the next-token distribution is not finite ({err}): the policy's logits hold NaN or inf;"
+            " are its weights finite?"
+        ) from err
 
 
 # the model generation_config fields a rollout keeps: token ids (generate's eos_token_id is set per call to the

@@ -280,7 +280,11 @@ def _empty_like(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         fresh = _original_class(base)._from_config(base.config, dtype=dtype)
         if isinstance(model, PeftModel):
             fresh = get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
-    return fresh.to_empty(device="cpu")
+    fresh = fresh.to_empty(device="cpu")
+    # to_empty gives each use of a shared (tied) parameter its own tensor: tie them again, or a merged LoRA
+    # export of tied embeddings comes out untied (an lm_head of its own)
+    (fresh.get_base_model() if isinstance(fresh, PeftModel) else fresh).tie_weights()
+    return fresh
 
 
 def is_sharded_checkpoint(module: LightningModule) -> bool:

@@ -36,6 +36,7 @@ from lit_rlhf.models import (
 from lit_rlhf.models import disable_dropout as zero_dropout
 from lit_rlhf.modules.distributed import is_sharded_checkpoint, shard_models, unwrap
 from lit_rlhf.modules.dpo_reference import PrecomputedReference
+from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -228,8 +229,8 @@ class DPOModule(PrecomputedReference, SingleModelModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, stats = self._step(batch, "train")
         pairs = batch["input_ids"].shape[0] // 2
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
-        self.log_dict({f"train/{k}": v for k, v in stats.items()}, sync_dist=True, batch_size=pairs)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=row_weight(pairs))
+        self.log_dict({f"train/{k}": v for k, v in stats.items()}, sync_dist=True, batch_size=row_weight(pairs))
         return loss
 
     @override
@@ -251,7 +252,7 @@ class DPOModule(PrecomputedReference, SingleModelModule):
     def _eval_step(self, stage: str, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, stats = self._step(batch, stage)
         pairs = batch["input_ids"].shape[0] // 2
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=pairs)
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=row_weight(pairs))
         metrics = getattr(self, f"{stage}_metrics")
         for name, value in stats.items():
             metrics[name.replace("/", "__")].update(value, pairs)

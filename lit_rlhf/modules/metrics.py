@@ -7,7 +7,19 @@ from collections.abc import Iterable
 import torch
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
-__all__ = ["MetricGroup", "accumulate_stats"]
+__all__ = ["MetricGroup", "accumulate_stats", "row_weight"]
+
+
+def row_weight(count: int | torch.Tensor) -> float:
+    """``count`` as the float ``batch_size`` of ``self.log(..., sync_dist=True)``: a row-weighted mean over ranks.
+
+    Lightning accumulates an epoch mean's weights in an integer tensor and averages it over the ranks in place,
+    which floors it: with unequal rows per rank (a held-out split that does not divide, rows dropped) every such
+    mean came out inflated by (sum / world) / floor(sum / world). A float weight keeps the accumulator float
+    (Lightning-AI/pytorch-lightning#21859, `_ResultMetric.compute` in
+    ``lightning/pytorch/trainer/connectors/logger_connector/result.py``).
+    """
+    return float(count)
 
 
 class MetricGroup(torch.nn.Module):

@@ -35,6 +35,7 @@ from lit_rlhf import functional as F
 from lit_rlhf.batching import scatter_rows
 from lit_rlhf.models import policy_forward
 from lit_rlhf.modules.base import internal_base
+from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.online_scoring import ensemble_spread
 from lit_rlhf.modules.samples import log_text_table, logger_step
 
@@ -190,7 +191,7 @@ class OnlineEvaluation(LightningModule):
             finite, rows = torch.isfinite(values), scored.get(name, torch.ones_like(values, dtype=torch.bool))  # (B,)
             metrics[f"reward/{name}"], sizes[f"reward/{name}"] = kept_mean(values, finite), int(finite.sum())
             self.log(f"{stage}/reward_nonfinite/{name}", (~finite & rows).sum().float(), reduce_fx="sum",
-                     sync_dist=True, on_step=False, on_epoch=True, batch_size=responses.shape[0])  # fmt: skip
+                     sync_dist=True, on_step=False, on_epoch=True, batch_size=row_weight(responses.shape[0]))  # fmt: skip
         spread, count = ensemble_spread(terms, self.rewards.common_scale) if self.rewards.members is not None else (None, 0)
         if count:  # an ensemble: its members' spread over the responses they all scored finitely
             metrics["ensemble_std"], sizes["ensemble_std"] = spread, int(count)
@@ -205,7 +206,7 @@ class OnlineEvaluation(LightningModule):
         for name, value in metrics.items():
             self.log(
                 f"{stage}/{name}", value.float(), prog_bar=name in ("score", "kl_ref"),
-                batch_size=sizes.get(name, responses.shape[0]), sync_dist=True, on_step=False, on_epoch=True,
+                batch_size=row_weight(sizes.get(name, responses.shape[0])), sync_dist=True, on_step=False, on_epoch=True,
             )  # fmt: skip
         if batch_idx == 0 and dataloader_idx == 0:
             self._eval_samples = self.sample_rows(prompts, responses, response_mask, scores)

@@ -29,6 +29,7 @@ from lit_rlhf.ensembles import write_ensemble_manifest
 from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, sequence_scores
 from lit_rlhf.modules.base import plain_hparams
 from lit_rlhf.modules.distributed import gather_for_export, shard_models
+from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.reward_model import PairMetrics
 from lit_rlhf.modules.single import SingleModelModule
@@ -157,8 +158,8 @@ class RewardEnsembleModule(SingleModelModule):
         for k, member in enumerate(metrics["members"]):
             member.update((chosen[k] > rejected[k]).float().detach())
         metrics["spread"].update(F.ensemble_std(scores.detach()))
-        self.log(f"{stage}/loss", losses.mean(), prog_bar=stage != "test", sync_dist=stage == "train",
-                 batch_size=chosen.shape[1])  # fmt: skip
+        self.log(f"{stage}/loss", losses.mean(), prog_bar=stage != "test", sync_dist=True,
+                 batch_size=row_weight(chosen.shape[1]))  # fmt: skip
         return losses.sum()
 
     def member_scores(

@@ -21,6 +21,7 @@ from lit_rlhf.models import (
     refuse_unsupported_shared_prefix,
     sequence_scores,
 )
+from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.single import SingleModelModule
 
@@ -154,7 +155,7 @@ class RewardModelModule(SingleModelModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Logs ``val/loss``; returns the pair scores (``on_validation_batch_end``'s ``outputs``)."""
         loss, chosen, rejected = self._step(batch, self.val_metrics)
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0] // 2)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=row_weight(batch["input_ids"].shape[0] // 2))
         return {"loss": loss, "chosen": chosen.detach(), "rejected": rejected.detach()}
 
     @override
@@ -165,7 +166,7 @@ class RewardModelModule(SingleModelModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Logs ``test/loss``; returns the pair scores (``on_test_batch_end``'s ``outputs``)."""
         loss, chosen, rejected = self._step(batch, self.test_metrics)
-        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0] // 2)
+        self.log("test/loss", loss, sync_dist=True, batch_size=row_weight(batch["input_ids"].shape[0] // 2))
         return {"loss": loss, "chosen": chosen.detach(), "rejected": rejected.detach()}
 
     @override

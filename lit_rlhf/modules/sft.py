@@ -11,6 +11,7 @@ from lit_rlhf.batching import Bucketing
 from lit_rlhf.data.contract import check_batch
 from lit_rlhf.functional import masked_sum
 from lit_rlhf.models import ModelSpec, build_causal_lm, next_token_logprobs
+from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.samples import log_text_table, logger_step, prompts_from_batch
 from lit_rlhf.modules.single import SingleModelModule
@@ -77,7 +78,7 @@ class SFTModule(SingleModelModule):
         loss, acc, n_tokens = self._step(batch)
         self.train_nll.update(loss.detach(), n_tokens)
         self.train_acc.update(acc, n_tokens)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/token_accuracy", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
@@ -107,7 +108,7 @@ class SFTModule(SingleModelModule):
         nll, token_acc = getattr(self, f"{stage}_nll"), getattr(self, f"{stage}_acc")
         nll.update(loss, n_tokens)
         token_acc.update(acc, n_tokens)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=row_weight(batch["input_ids"].shape[0]))
         self.log(f"{stage}/token_accuracy", token_acc, on_step=False, on_epoch=True)
         if batch_idx == 0 and self.hparams.num_samples:
             self._sample_prompts = prompts_from_batch(batch, self.hparams.num_samples)
