@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import resource
+import shutil
 import signal
 import uuid
 from pathlib import Path
@@ -15,9 +16,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
+
+from lit_rlhf.modules.samples import logger_step
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,8 @@ class HFExport(Callback):
 
     Args:
         dirpath: output folder; relative paths are taken from the working directory.
-        overwrite: replace whatever ``dirpath`` holds (another run's export included).
+        overwrite: replace whatever ``dirpath`` holds (another run's export included): at the end of the fit
+            its content is deleted before the export is written (:meth:`clear_destination` says what is kept).
     """
 
     def __init__(self, dirpath: str, overwrite: bool = False) -> None:
@@ -106,14 +110,42 @@ class HFExport(Callback):
         folder = Path(self.dirpath)
         if self.overwrite or not folder.is_dir() or not any(folder.iterdir()):
             return
-        marker = folder / EXPORT_MARKER
-        owner = json.loads(marker.read_text()).get("run_id") if marker.is_file() else None
+        owner = export_owner(folder)
         if owner != self.run_id:
             whose = f"another run's export (run {owner})" if owner else "files that HFExport did not write"
             raise FileExistsError(
                 f"HFExport: {folder.resolve()} already holds {whose}; choose another dirpath, delete it, or set"
                 " overwrite: true in the HFExport entry of trainer.callbacks"
             )
+
+    def clear_destination(self, trainer: Trainer) -> None:
+        """With ``overwrite``, empty ``dirpath`` of what another run (or another program) left there, so that
+        the folder then holds this export alone (a PPO run's ``critic/`` does not stay beside a GRPO run's
+        ``actor/``, nor an ensemble's ``member_2/`` beside a 2-member export). Rank 0, after the barrier.
+
+        Never cleared: a folder this run wrote (its marker: a resumed run replaces its files), one without
+        ``overwrite`` (``check_destination`` refused it before), the working directory, one of its
+        ancestors or the home folder, and a folder that is or lies inside this fit's checkpoint or log
+        folders; an entry of ``dirpath`` holding such a folder is kept (their files are this run's).
+        """
+        folder = Path(self.dirpath).expanduser()
+        if not self.overwrite or not folder.is_dir() or export_owner(folder) == self.run_id:
+            return
+        folder = folder.resolve()
+        cwd = Path.cwd().resolve()
+        outputs = _run_output_folders(trainer)
+        if folder in (cwd, *cwd.parents, Path.home().resolve()) or any(folder == o or o in folder.parents for o in outputs):
+            rank_zero_warn(f"HFExport: {folder} holds the working directory, or this fit's checkpoints or logs: "
+                           "its other files are left in place")  # fmt: skip
+            return
+        for entry in folder.iterdir():
+            path = entry.absolute()
+            if any(path == o or path in o.parents for o in outputs):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -136,10 +168,30 @@ class HFExport(Callback):
             raise TypeError(f"{type(pl_module).__name__} has no export_pretrained(folder) method")
         self.check_destination()
         trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
+        if trainer.is_global_zero:
+            self.clear_destination(trainer)
         export(self.dirpath)
         if trainer.is_global_zero:
             (Path(self.dirpath) / EXPORT_MARKER).write_text(json.dumps({"run_id": self.run_id}) + "\n")
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")
+
+
+def export_owner(folder: Path) -> str | None:
+    """The run id in ``folder``'s HFExport marker (None: no marker)."""
+    marker = folder / EXPORT_MARKER
+    return json.loads(marker.read_text()).get("run_id") if marker.is_file() else None
+
+
+def _run_output_folders(trainer: Trainer) -> list[Path]:
+    """The folders this fit writes besides its export: the checkpoint callbacks' and the loggers' ``log_dir``."""
+    folders = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+    for callback in trainer.callbacks:  # SigtermCheckpoint, FaultCheckpoint
+        path = getattr(callback, "checkpoint_path", None)
+        if callable(path) and not isinstance(callback, ModelCheckpoint):
+            folders.append(os.path.dirname(path(trainer)))
+    for logger in trainer.loggers:
+        folders.append(getattr(logger, "log_dir", None))
+    return [Path(f).expanduser().resolve() for f in folders if f and "://" not in str(f)]
 
 
 def checkpoint_file(trainer: Trainer, dirpath: str | None, filename: str) -> str:
@@ -299,7 +351,8 @@ class PeakMemory(Callback):
     Where the mark cannot be reset (not Linux, or no permission), the lifetime ``ru_maxrss`` is used and
     ``train_peak_rss_growth_mb`` is then a lower bound. On CUDA the allocator's peak is also reported.
 
-    Logged at the end of training (rank 0's process; every logger): ``memory/train_peak_rss_mb``,
+    Logged at the end of training (rank 0's process; every logger, on the step axis of the module's own
+    scalars: the batches trained, for an online module its rollouts, not its optimiser steps): ``memory/train_peak_rss_mb``,
     ``memory/train_peak_rss_growth_mb`` (peak minus the resident set at the start of training) and
     ``memory/cuda_max_allocated_mb`` on CUDA; with ``output``, the same figures as JSON in that file.
 
@@ -343,8 +396,8 @@ class PeakMemory(Callback):
             figures["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
         if not trainer.is_global_zero:
             return
-        for logger in trainer.loggers:
-            logger.log_metrics(figures, step=trainer.global_step)
+        for logger in trainer.loggers:  # on the step axis of the module's own scalars (an online module's rollouts)
+            logger.log_metrics(figures, step=logger_step(trainer))
             logger.save()
         if self.output is not None:
             path = Path(self.output)

@@ -165,7 +165,9 @@ def test_auto_leaves_the_hf_engine_and_an_engine_without_logprobs_alone(tokenize
     trainer(tmp_path / "hf").fit(module, prompt_loader(tokenizer_dir, n=4, batch_size=4))
     assert calls and all(c[0].is_weights is None for c in calls)
     rows = read_metrics(tmp_path / "hf")
-    assert "rollout/is_ratio_mean" in rows[0] and not any(k.startswith("rollout/is_w") for k in rows[0])
+    assert not any(k.startswith("rollout/is_w") for k in rows[0])
+    # the old log-probs are the sampler's own record here: no mismatch to measure, the kept mass only
+    assert "rollout/kept_mass_mean" in rows[0] and "rollout/is_ratio_mean" not in rows[0]
     settings = ISCorrectionSettings()
     no_logprobs = Responses(torch.zeros(1, 2), torch.ones(1, 2).bool(), torch.zeros(1).bool())
     assert settings.resolve(PerturbedEngine(), no_logprobs, "M") is None

@@ -11,6 +11,7 @@ reward model", as InstructGPT initialises its value function).
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -235,8 +236,31 @@ def export_pretrained(model: nn.Module, tokenizer: PreTrainedTokenizerBase, fold
     if isinstance(model, PeftModel):
         model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(folder)
+    _restore_source_dropout(folder / "config.json")
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _restore_source_dropout(path: Path) -> None:
+    """Put back into a written ``config.json`` the dropout probabilities :func:`disable_dropout` zeroed in the
+    live config (recorded under :data:`_SOURCE_DROPOUT`, which is removed): an export describes the model's
+    architecture as its source did, so a later stage that trains from it (a reward model or critic on a DPO
+    or PPO export) trains with the source's dropout, not with the 0 that only this run's ratio needed."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+
+    def restore(node: dict) -> bool:
+        changed = False
+        if isinstance(node.get(_SOURCE_DROPOUT), dict):
+            node.update(node.pop(_SOURCE_DROPOUT))
+            changed = True
+        for value in node.values():
+            changed = (isinstance(value, dict) and restore(value)) or changed
+        return changed
+
+    if restore(config):
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # save_pretrained's format
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -266,11 +290,28 @@ def reference_logits_context(actor: nn.Module) -> Iterator[None]:
 _DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
 
 
-def _zero_float_dropouts(owner: object) -> None:
-    """Set ``owner``'s float attributes named like a dropout probability (:data:`_DROPOUT_NAME`) to 0."""
+def _zero_float_dropouts(owner: object, record: dict[str, float] | None = None) -> None:
+    """Set ``owner``'s float attributes named like a dropout probability (:data:`_DROPOUT_NAME`) to 0 (their
+    first values noted in ``record``, when given)."""
     for name, value in list(vars(owner).items()):
         if isinstance(value, float) and _DROPOUT_NAME.search(name):
+            if record is not None:
+                record.setdefault(name, value)
             setattr(owner, name, 0.0)
+
+
+# Config attribute holding the dropout probabilities a config had before disable_dropout zeroed them (the
+# config carries it through copies, a merged LoRA export and FSDP's gathered copy); export_pretrained writes
+# them back into config.json in its place.
+_SOURCE_DROPOUT = "lit_rlhf_source_dropout"
+
+
+def _zero_config_dropouts(config: PretrainedConfig) -> None:
+    """Zero ``config``'s dropout probabilities, the source values recorded once (a second call keeps them)."""
+    record = dict(getattr(config, _SOURCE_DROPOUT, None) or {})
+    _zero_float_dropouts(config, record)
+    if record:
+        setattr(config, _SOURCE_DROPOUT, record)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -278,15 +319,18 @@ def disable_dropout(model: nn.Module) -> None:
     the rollout and update forwards must describe the same policy (standard practice, e.g. TRL).
 
     Zeroes every ``nn.Dropout``, the float probabilities modules copy from the config at init (OPT's
-    ``dropout``/``layerdrop``, attention modules' ``attention_dropout``, ...) and the config's own
-    (its text config's too)."""
+    ``dropout``/``layerdrop``, attention modules' ``attention_dropout``, ...) and the config's own (its text
+    config's too: some models read them at forward time, e.g. GPT-Neo's and Persimmon's attention dropout).
+    The config's values before are recorded in it, and :func:`export_pretrained` writes those to the
+    export's ``config.json``: only the live model trains without dropout, not a later stage trained from
+    its export."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         _zero_float_dropouts(module)
     config = getattr(model, "config", None)
     if config is not None:
-        _zero_float_dropouts(config)
+        _zero_config_dropouts(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if text is not config:
-            _zero_float_dropouts(text)
+            _zero_config_dropouts(text)

@@ -73,16 +73,29 @@ def plain_hparams(module: LightningModule, **values: Any) -> None:
     ``!!python/object`` tags (Lightning's ``load_hparams_from_yaml`` reads them back).
 
     ``values`` (e.g. ``model=spec``) replace entries of ``module.hparams``; every dataclass value is then
-    stored as its ``dataclasses.asdict`` dict. Both the live and the initial (logged) hparams are updated.
-    Constructors take such dicts back (``ModelSpec.coerce``), so ``load_from_checkpoint`` works.
+    stored as its ``dataclasses.asdict`` dict, also inside dicts, lists and tuples (:func:`plain_value`). Both
+    the live and the initial (logged) hparams are updated. Constructors take such dicts back
+    (``ModelSpec.coerce``), so ``load_from_checkpoint`` works.
     """
     for store in (module.hparams, getattr(module, "_hparams_initial", None)):
         if store is None:
             continue
         store.update(values)
         for key, value in list(store.items()):
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                store[key] = dataclasses.asdict(value)
+            store[key] = plain_value(value)
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` with every dataclass instance in it, at any depth of dicts, lists and tuples (e.g. an
+    ensemble's ``[ModelSpec, ...]`` members), replaced by its ``dataclasses.asdict`` dict."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain_value(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a NamedTuple's fields
+    return value
 
 
 def internal_base(cls: type) -> type:

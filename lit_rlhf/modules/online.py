@@ -19,7 +19,6 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, is_dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -42,12 +41,12 @@ from lit_rlhf.models import (
     load_tokenizer,
     refuse_unsupported_shared_prefix,
 )
-from lit_rlhf.modules.base import check_data_tokenizer, internal_base
+from lit_rlhf.modules.base import check_data_tokenizer, internal_base, plain_value
 from lit_rlhf.modules.distributed import shard_models
 from lit_rlhf.modules.metrics import MetricGroup
 from lit_rlhf.modules.online_bookkeeping import OnlineBookkeeping
 from lit_rlhf.modules.online_eval import OnlineEvaluation
-from lit_rlhf.modules.online_generation import OnlineGeneration
+from lit_rlhf.modules.online_generation import OnlineGeneration, set_engine_model
 from lit_rlhf.modules.online_migration import migrate_checkpoint_hparams, moved_hint
 from lit_rlhf.modules.online_old_logprobs import OldLogprobSource
 from lit_rlhf.modules.online_scoring import RolloutScoring
@@ -175,6 +174,7 @@ class OnlineRLModule(
         engine = self.configure_settings(groups, engine, reward_model, reward_fn, max_rollouts)
         self.engine = build_engine(engine, f"{type(self).__name__}: engine")
         self._engine_model: torch.nn.Module | None = None
+        self.old_logprobs_sampled = False  # the last score_rollout took old_logprobs from the sampler's record
         self.max_rollouts = max_rollouts
         self.rng_seed = resolve_seed(rng_seed)
         self.build_shared_models(actor, reference, reward_model, reward_fn, monitor_reward_fn)
@@ -314,9 +314,8 @@ class OnlineRLModule(
             for key in [k for k in store if k.endswith(("_optimizer", "_scheduler"))]:
                 del store[key]
             store.update(plain)
-            for key, value in store.items():
-                if is_dataclass(value) and not isinstance(value, type):  # ModelSpec
-                    store[key] = asdict(value)
+            for key, value in store.items():  # ModelSpec, also inside an ensemble's list of members
+                store[key] = plain_value(value)
 
     @contextmanager
     def seeded_init(self) -> Iterator[None]:
@@ -380,7 +379,7 @@ class OnlineRLModule(
     @override
     def teardown(self, stage: str) -> None:
         self.engine.close()
-        self._engine_model = None
+        set_engine_model(self, None)
 
 
 def coerce_group(cls: type[Settings], value: Any, argument: str) -> Settings:

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.models import export_pretrained
 from lit_rlhf.modules.base import drop_frozen_weights, internal_base
-from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint
+from lit_rlhf.modules.distributed import gather_for_export, is_sharded_checkpoint, unwrap
 from lit_rlhf.modules.online_eval import set_rng_state
 from lit_rlhf.modules.optim import resolve_total_steps
 from lit_rlhf.modules.samples import log_text_table
@@ -39,8 +39,9 @@ class OnlineBookkeeping(LightningModule):
     ) -> None:
         """Rollout-level metrics of a ``Sample`` (``online.Sample``), reduced across ranks by torchmetrics:
         KL and entropy over the learned tokens, lengths over the response tokens, group statistics when
-        K >= 2, the engine-vs-trainer mismatch when the engine gave behaviour log-probs, and the engine's own
-        timings (``RolloutEngine.stats``: ``engine_generate_s``, ``engine_sync_s``) when it reports them."""
+        K >= 2, the engine-vs-trainer mismatch when the engine gave behaviour log-probs and a trainer forward
+        computed ``old_logprobs`` (not when they are the sampler's record, ``old_logprobs_sampled``: only
+        ``kept_mass_mean`` then), and the engine's own timings (``RolloutEngine.stats``: ``engine_generate_s``, ``engine_sync_s``) when it reports them."""
         responses, mask = sample.responses, sample.loss_mask
         stats = {
             "score": scores.mean(),
@@ -55,7 +56,10 @@ class OnlineBookkeeping(LightningModule):
                 scores, self.num_samples
             )
         if responses.logprobs is not None:
-            stats.update(F.behavior_mismatch_stats(old_logprobs, responses.logprobs, responses.log_kept_mass, mask))
+            mismatch = F.behavior_mismatch_stats(old_logprobs, responses.logprobs, responses.log_kept_mass, mask)
+            if self.old_logprobs_sampled:  # old_logprobs is the sampler's own record: 0 / 1 by construction
+                mismatch = {"kept_mass_mean": mismatch["kept_mass_mean"]}
+            stats.update(mismatch)
         stats.update({f"engine_{name}": value for name, value in self.engine.stats().items()})
         if sample.episodes is not None:  # turns, tool calls and errors, observation tokens, how episodes ended
             stats.update(sample.episodes.metrics())
@@ -174,8 +178,8 @@ class OnlineBookkeeping(LightningModule):
             for prefix in ("reference.", "rewards.", "monitor."):
                 for key in [k for k in checkpoint["state_dict"] if k.startswith(prefix)]:
                     del checkpoint["state_dict"][key]
-            if self.actor_lora:
-                drop_frozen_weights(checkpoint, self.actor, "actor.")
+            for name, model in self.lora_models().items():  # rebuilt from their specs on resume
+                drop_frozen_weights(checkpoint, model, f"{name}.")
         checkpoint["online_state"] = {
             "kl_ctl": self.kl_ctl.state_dict(),
             "buffer": self.buffer.state_dict(),
@@ -187,8 +191,18 @@ class OnlineBookkeeping(LightningModule):
             **self.training_rng_state(),
         }
 
+    def lora_models(self) -> dict[str, torch.nn.Module]:
+        """Attribute name -> trained LoRA (peft) model of the module (the actor, a PPO critic): their frozen
+        base weights are left out of checkpoints (README: rebuilt from the model spec on resume)."""
+        from peft import PeftModel
+
+        return {name: child for name, child in self.named_children() if isinstance(unwrap(child), PeftModel)}
+
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # checkpoints of earlier versions hold the actor a second time, as the engine's model: not a weight
+        for key in [k for k in checkpoint.get("state_dict", {}) if k.startswith("_engine_model.")]:
+            del checkpoint["state_dict"][key]
         self.check_fixed_on_resume(checkpoint)
         state = self.online_state(checkpoint)
         self.step_guard.load_state_dict(state.get("step_guard", {}))

@@ -80,7 +80,7 @@ class OnlineGeneration(LightningModule):
         """The engine, set up with the actor (again when the actor object changed, e.g. wrapped by FSDP)."""
         if self._engine_model is not self.actor:
             self.engine.setup(self.actor, self.tokenizer, world_size=self.trainer.world_size)
-            self._engine_model = self.actor
+            set_engine_model(self, self.actor)
         return self.engine
 
     @torch.no_grad()
@@ -163,6 +163,13 @@ class OnlineGeneration(LightningModule):
         if self.environment.enabled:
             return self.environment.token_budget(self.generation.max_new_tokens)
         return self.generation.max_new_tokens
+
+
+def set_engine_model(module: torch.nn.Module, model: torch.nn.Module | None) -> None:
+    """Note ``model`` as the one ``module``'s engine was set up with: a plain attribute, not a submodule
+    (``nn.Module.__setattr__`` would register it), so the actor's weights do not enter the state dict and
+    every checkpoint a second time under ``_engine_model.*`` (a LoRA actor's frozen base weights included)."""
+    object.__setattr__(module, "_engine_model", model)
 
 
 def with_model_stops(settings: GenerationSettings, model: torch.nn.Module, tokenizer) -> GenerationSettings:

@@ -124,7 +124,8 @@ class RolloutScoring(LightningModule):
         an update whose one optimiser step takes them from its own forward (``old_logprobs_from_update``).
         ``responses``: the rollout's ``Responses``; where its sampler's record stands in for the actor's
         forward (``scoring.old_logprobs``, :meth:`sampled_policy_terms`), the old log-probs and entropy are
-        that record and the actor's forward is skipped (the critic's values, if any, still run).
+        that record and the actor's forward is skipped (the critic's values, if any, still run); it sets
+        ``old_logprobs_sampled`` to say which (the engine-vs-trainer mismatch is then not measured).
 
         Runs in micro-batches of at most ``forward_batch_size`` rows (length-bucketed, see
         :meth:`micro_batches`) so memory does not grow with the rollout, and keeps no (B, T, V) logits;
@@ -133,6 +134,7 @@ class RolloutScoring(LightningModule):
         K rows are then kept in one micro-batch).
         """
         sampled = self.sampled_policy_terms(responses) if policy and responses is not None else None
+        self.old_logprobs_sampled = sampled is not None  # no trainer forward to compare the engine with
         parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": [], "entropy": []}
         group_size = 1 if self.shared_prefix == "off" else self.num_samples
         batches = self.micro_batches(attention_mask, T, group_size)
