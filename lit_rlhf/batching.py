@@ -190,6 +190,7 @@ class Bucketing(Settings):
     split_cost: int | str | None = "auto"
 
     def __post_init__(self) -> None:
+        self.check_types()
         if self.token_budget is not None and self.token_budget <= 0:
             raise ValueError(f"bucketing.token_budget must be > 0 or None, got {self.token_budget}")
         if not 0.0 <= self.min_saving < 1.0:

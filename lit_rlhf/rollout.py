@@ -9,8 +9,9 @@ Shapes: B rollout rows, P prompt length (left-padded), T response length (right-
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,7 +42,10 @@ class GenerationSettings(Settings):
         stop_strings: strings that end a response (matched on decoded text by ``generate``); a response
             that one ends on its last allowed token is not truncated.
         num_samples: K responses sampled per prompt (K >= 1); the rollout holds prompts x K rows, each
-            prompt's K rows contiguous. Group estimators (GRPO, RLOO, ...) need K >= 2.
+            prompt's K rows contiguous. Group estimators (GRPO, RLOO, ...) need K >= 2. None (default, or
+            left out of a dict or config) = the module's default K (:meth:`with_default_samples`): 4 for
+            ``CriticFreeModule``, 2 for ``OnlineDPOModule``, 1 for ``PPOModule`` and wherever the settings
+            are used outside a module (``num_samples`` reads 1 then); a value given, 1 included, is kept.
         group_prefill: compute each prompt's prefill once for its K samples and repeat its KV cache K times
             (``lit_rlhf.models.prefill``): ``"auto"`` (default) where it pays, K >= 2 and prompts padded to
             at least ``GROUP_PREFILL_MIN_PROMPT_TOKENS``; ``"always"`` whenever K >= 2; ``"never"`` off. The
@@ -98,7 +102,7 @@ class GenerationSettings(Settings):
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
-    num_samples: int = 1
+    num_samples: int | None = None
     group_prefill: str = "auto"
     sampler: str = "auto"
     decoding_head: str = "auto"
@@ -107,12 +111,11 @@ class GenerationSettings(Settings):
     record_entropy: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "top_k", "num_samples"):  # 4.0 from a computed value would fail late
-            value = getattr(self, name)
-            self.require(name, isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            self.require(name, isinstance(value, numbers.Real) and not isinstance(value, bool), "a number")
+        self.check_types()  # max_new_tokens 4.0 from a computed value would fail late
+        # not a field (no config or checkpoint holds it): whether a module may put its own default K here
+        self._num_samples_unset = self.num_samples is None
+        if self.num_samples is None:
+            self.num_samples = 1
         self.require_finite("temperature")  # NaN passes every comparison below; inf samples uniformly
         # a bare string would be read character by character, and "" ends every response at once
         ok = isinstance(self.stop_strings, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop_strings)
@@ -150,6 +153,29 @@ class GenerationSettings(Settings):
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"generation.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
+
+    @property
+    def num_samples_unset(self) -> bool:
+        """Whether ``num_samples`` was left unset (None), so that it reads 1 until a module puts its default K."""
+        return getattr(self, "_num_samples_unset", False)  # False: unpickled from before the attribute
+
+    def with_default_samples(self, k: int) -> GenerationSettings:
+        """These settings with ``num_samples`` = ``k`` where it was left unset, else themselves (a given K is
+        kept). ``dataclasses.replace`` of unset settings gives settings with K = 1 given: resolve first."""
+        return replace(self, num_samples=k) if self.num_samples_unset else self
+
+    @classmethod
+    def default_samples(cls, value: Any, k: int) -> Any:
+        """The ``generation`` argument of a module whose default K is ``k``, as a user passes it (None, a dict
+        of fields or an instance), with ``num_samples`` = ``k`` where it leaves that unset (missing or None);
+        other values unchanged (:meth:`coerce` names what is wrong with them)."""
+        if value is None:
+            return cls(num_samples=k)
+        if isinstance(value, Mapping) and value.get("num_samples") is None:
+            return {**value, "num_samples": k}
+        if isinstance(value, cls):
+            return value.with_default_samples(k)
+        return value
 
     @classmethod
     def migrate(cls, values: dict) -> dict:

@@ -23,7 +23,7 @@ ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
             "advantage.estimator='grpo' needs generation.num_samples >= 2",
         ),
         (
-            {"advantage": {"estimator": "rloo"}, "generation": GenerationSettings()},
+            {"advantage": {"estimator": "rloo"}, "generation": GenerationSettings(num_samples=1)},
             ValueError,
             "'rloo' needs generation.num_samples >= 2",
         ),

@@ -82,7 +82,8 @@ class AdaptiveKLController(KLController):
     Args:
         init_kl_coef: > 0 starting coefficient.
         target: > 0 KL (nats per sequence, as measured by the caller) to steer towards.
-        horizon: > 0 number of samples over which an error is corrected (Ziegler et al. use 10000).
+        horizon: > 0 number of samples over which an error is corrected (Ziegler et al. use 10000); an
+            ``update`` of ``n_steps`` >= 5 x horizon samples with the error at -0.2 is refused.
         floor: in [0, init_kl_coef], the least value (0: none, as in the paper). A floor at the start makes the
             controller one-sided: it only ever raises the coefficient above where it began.
     """
@@ -103,10 +104,11 @@ class AdaptiveKLController(KLController):
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         factor = 1.0 + error * n_steps / self.horizon
         if factor <= 0:
-            # Only reachable when n_steps > 5 * horizon: the coefficient would flip sign.
+            # Only reachable when n_steps >= 5 * horizon: the coefficient would reach 0 or flip sign (the online
+            # modules refuse such a kl.horizon when the fit starts: OnlineUpdate.check_kl_horizon_fit).
             raise ValueError(
                 f"AdaptiveKLController.update: n_steps={n_steps} is too large for horizon={self.horizon} "
-                f"(factor {factor} <= 0); use n_steps <= 5 * horizon"
+                f"(factor {factor} <= 0); use n_steps < 5 * horizon"
             )
         self.value = max(self.value * factor, self.floor)
 

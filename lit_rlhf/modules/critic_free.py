@@ -45,8 +45,8 @@ class CriticFreeModule(OnlineRLModule):
         actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         advantage: the estimator (``AdvantageSettings``: ``estimator`` grpo, dr_grpo, rloo, reinforce_pp
             or reinforce_pp_baseline, and ``gamma``).
-        generation: sampling settings (``GenerationSettings`` or a dict of its fields); None =
-            ``GenerationSettings(num_samples=4)``. ``num_samples`` is K, the responses per prompt.
+        generation: sampling settings (``GenerationSettings`` or a dict of its fields); None = the defaults.
+            ``num_samples`` is K, the responses per prompt: 4 unless given (here, unlike PPO's 1).
         update: the update phase (``CriticFreeUpdate``: epochs, minibatches, clip ranges, loss aggregation,
             importance-sampling level, entropy bonus, gradient clip, ratio threshold,
             ``old_logprobs_from_update``, and ``is_correction``, the engine/trainer importance-sampling
@@ -61,6 +61,7 @@ class CriticFreeModule(OnlineRLModule):
     settings_groups: ClassVar[dict] = {
         **OnlineRLModule.settings_groups, "update": CriticFreeUpdate, "advantage": AdvantageSettings,
     }  # fmt: skip
+    default_num_samples: ClassVar[int] = 4  # K where generation.num_samples is not given
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class CriticFreeModule(OnlineRLModule):
         actor_scheduler: LRSchedulerCallable | None = None,
         **kwargs: Any,
     ) -> None:
-        generation = GenerationSettings(num_samples=4) if generation is None else generation
+        generation = GenerationSettings.default_samples(generation, self.default_num_samples)
         super().__init__(actor=actor, advantage=advantage, generation=generation, update=update, **kwargs)
         estimator = self.advantage.estimator
         if F.ADVANTAGE_ESTIMATORS[estimator].needs_group and self.num_samples < 2:

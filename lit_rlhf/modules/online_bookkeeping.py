@@ -189,7 +189,16 @@ class OnlineBookkeeping(LightningModule):
             # generate() samples from the global RNG; restoring it makes a resumed run sample identically
             # (during an evaluation, the training stream held aside: see OnlineEvaluation)
             **self.training_rng_state(),
+            "rng_at_epoch_end": self.at_epoch_end(),
         }
+
+    def at_epoch_end(self) -> bool:
+        """Whether this epoch's last batch is done: the next rollout comes from a new epoch, whose DataLoader
+        iterator first draws its base seed from the global RNG (``torch.utils.data``'s ``_BaseDataLoaderIter``)."""
+        trainer = self._trainer
+        if trainer is None or trainer.sanity_checking or not trainer.training and not trainer.validating:
+            return False
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
 
     def lora_models(self) -> dict[str, torch.nn.Module]:
         """Attribute name -> trained LoRA (peft) model of the module (the actor, a PPO critic): their frozen
@@ -218,6 +227,7 @@ class OnlineBookkeeping(LightningModule):
             )
         # applied at the next training_step, after Lightning has finished restoring and set up the data
         self._rng_to_restore = {k: state.get(k) for k in ("torch_rng", "cuda_rng", "python_rng", "numpy_rng")}
+        self._rng_to_restore["at_epoch_end"] = state.get("rng_at_epoch_end", False)
 
     def check_fixed_on_resume(self, checkpoint: dict[str, Any]) -> None:
         """K (``generation.num_samples``) cannot change on resume: the replay buffer's shuffling, the group
@@ -236,9 +246,15 @@ class OnlineBookkeeping(LightningModule):
         return checkpoint["online_state"] if "online_state" in checkpoint else checkpoint["ppo_state"]
 
     def restore_rng(self) -> None:
-        """Apply the RNG state of a resumed checkpoint (once, at the first rollout after loading)."""
+        """Apply the RNG state of a resumed checkpoint (once, at the first rollout after loading); after a
+        checkpoint of an epoch's last rollout, with the draw the uninterrupted run's next DataLoader iterator made
+        (:meth:`at_epoch_end`; not with persistent workers, whose iterator is reset without one)."""
         if self._rng_to_restore is not None:
             set_rng_state(self._rng_to_restore)
+            loader = self.trainer.train_dataloader
+            if self._rng_to_restore.get("at_epoch_end") and not getattr(loader, "persistent_workers", False):
+                # the uninterrupted run's new epoch iterator drew this (a resumed one drew it before the restore)
+                torch.empty((), dtype=torch.int64).random_()
             self._rng_to_restore = None
 
     def exported_models(self) -> dict[str, torch.nn.Module | None]:

@@ -68,6 +68,7 @@ class PreferenceSettings(Settings):
     nll_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.require_finite("beta", "label_smoothing", "nll_coef")
         self.require("nll_coef", self.nll_coef >= 0, ">= 0")
         self.require("beta", self.beta > 0, "> 0")
@@ -150,9 +151,9 @@ class OnlineDPOModule(OnlineRLModule):
     Args:
         actor: the policy to train (usually the SFT export); a ModelSpec, a dict of its fields or a path.
         preference: the loss (``PreferenceSettings``: beta, loss_type sigmoid or ipo, label_smoothing).
-        generation: sampling settings; None = ``GenerationSettings(num_samples=2)``. ``num_samples`` is K >= 2,
-            the responses ranked per prompt (best vs worst); ``scoring.forward_batch_size`` must be a multiple
-            of K (a prompt's pair is scored in one micro-batch).
+        generation: sampling settings; None = the defaults. ``num_samples`` is K >= 2 (2 unless given), the
+            responses ranked per prompt (best vs worst); ``scoring.forward_batch_size`` must be a multiple of
+            K (a prompt's pair is scored in one micro-batch).
         update: the update phase (``OnlineDPOUpdate``: epochs, minibatches of whole prompts, gradient clip).
         kl: ``OnlineDPOKL``: the KL to the reference is DPO's ``preference.beta`` (``loss_coef`` 0);
             ``coef`` > 0 ranks the samples by score - coef x their KL to the reference (0: by score);
@@ -171,6 +172,7 @@ class OnlineDPOModule(OnlineRLModule):
         **OnlineRLModule.settings_groups, "update": OnlineDPOUpdate, "kl": OnlineDPOKL,
         "preference": PreferenceSettings,
     }  # fmt: skip
+    default_num_samples: ClassVar[int] = 2  # K where generation.num_samples is not given
 
     def __init__(
         self,
@@ -183,7 +185,7 @@ class OnlineDPOModule(OnlineRLModule):
         actor_scheduler: LRSchedulerCallable | None = None,
         **kwargs: Any,
     ) -> None:
-        generation = GenerationSettings(num_samples=2) if generation is None else generation
+        generation = GenerationSettings.default_samples(generation, self.default_num_samples)
         super().__init__(
             actor=actor, preference=preference, generation=generation, update=update, kl=kl, **kwargs
         )

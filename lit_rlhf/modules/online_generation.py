@@ -7,9 +7,13 @@ length (right-padded).
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 
@@ -112,7 +116,33 @@ class OnlineGeneration(LightningModule):
     def sample(self, batch: dict[str, torch.Tensor]) -> Sample:
         """Step 1 of every rollout: K responses per prompt of ``batch`` (each prompt's K rows contiguous),
         joined to their prompts as the (B, P+T) rows the trainer scores, with the batch's ``columns``."""
-        return self.rollout_sample(batch, self.rollout_generation())
+        with self.rank_sampling_rng():
+            return self.rollout_sample(batch, self.rollout_generation())
+
+    @contextmanager
+    def rank_sampling_rng(self) -> Iterator[None]:
+        """Each data-parallel rank's own random stream for a rollout's sampling (and its environments' draws).
+
+        ``seed_everything`` seeds every rank alike, so ranks sampling from the global RNG drew the same
+        variates: correlated samples across ranks (identical ones for identical prompts). With several ranks
+        the draws come from a fork seeded by (rng_seed, rank, rollout), which also resumes exactly on every
+        rank; the global streams are left as they were. One process samples from the global RNG as before.
+        """
+        if self.trainer.world_size == 1:
+            yield
+            return
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        held = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                seed = hash((self.rng_seed, self.global_rank, self.rollouts_done, -1)) & (2**63 - 1)  # ints: hashed alike everywhere
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                yield
+        finally:
+            random.setstate(held[0])
+            np.random.set_state(held[1])
 
     def rollout_sample(
         self, batch: dict[str, torch.Tensor], settings: GenerationSettings, greedy: bool = False

@@ -105,6 +105,7 @@ class UpdateSettings(Settings):
     embedding_grads: Literal["auto", "dense"] = "auto"
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.is_correction = ISCorrectionSettings.coerce(self.is_correction, "update.is_correction")
         self.require_finite(*(f.name for f in fields(self)))
         for name in ("epochs", "num_minibatches", "clip_coef"):
@@ -123,7 +124,9 @@ class PPOUpdate(UpdateSettings):
 
     Attributes:
         policy_loss: ``clip`` (PPO-Clip, Schulman et al. 2017 arXiv:1707.06347 eq. 7) or ``kl_penalty``
-            (PPO-Penalty with adaptive beta, eq. 8).
+            (PPO-Penalty with adaptive beta, eq. 8). ``kl_penalty`` clips no ratio: ``clip_coef`` does not
+            apply to it (the value clip ``clip_coef_value`` does), ``clip_coef_high`` must stay None and
+            ``importance_sampling_level`` ``token``.
         init_beta: initial beta of the ``kl_penalty`` policy loss.
         beta_target: target KL(old || new) per token of the ``kl_penalty`` policy loss.
         vf_coef: weight of the value loss.
@@ -142,9 +145,11 @@ class PPOUpdate(UpdateSettings):
         for name in ("init_beta", "beta_target", "clip_coef_value"):  # clip_coef_value 0 pins the values
             self.require(name, getattr(self, name) > 0, "> 0")
         self.require("vf_coef", self.vf_coef >= 0, ">= 0")
-        if self.policy_loss == "kl_penalty":
+        if self.policy_loss == "kl_penalty":  # PPO-Penalty has no ratio clip (clip_coef is not read either)
             self.require("importance_sampling_level", self.importance_sampling_level == "token",
                          "'token' with policy_loss='kl_penalty'")  # fmt: skip
+            self.require("clip_coef_high", self.clip_coef_high is None,
+                         "None with policy_loss='kl_penalty' (PPO-Penalty clips no ratio)")  # fmt: skip
 
 
 @dataclass
@@ -194,6 +199,7 @@ class KLSettings(Settings):
     loss_estimator: KLEstimator = "k3"
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.require_finite(*(f.name for f in fields(self)))
         self.require("coef", self.coef >= 0, ">= 0")
         self.require("loss_coef", self.loss_coef >= 0, ">= 0")
@@ -253,6 +259,7 @@ class ScoringSettings(Settings):
     old_logprobs: Literal["auto", "sampler", "forward"] = "auto"
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.bucketing = Bucketing.coerce(self.bucketing, "scoring.bucketing")
         self.require_finite("score_clip", "missing_eos_penalty")
         self.require("forward_batch_size", self.forward_batch_size > 0, "> 0")
@@ -284,6 +291,7 @@ class GAESettings(Settings):
     whiten_rewards: bool = False
 
     def __post_init__(self) -> None:
+        self.check_types()
         for name in ("gamma", "gae_lambda"):
             self.require(name, 0.0 <= getattr(self, name) <= 1.0, "in [0, 1]")
 
@@ -307,6 +315,7 @@ class AdvantageSettings(Settings):
     gamma: float = 1.0
 
     def __post_init__(self) -> None:
+        self.check_types()
         if self.estimator == "gae":
             raise ValueError("advantage.estimator='gae' needs a critic; use lit_rlhf.modules.PPOModule for GAE")
         self.require_choice("estimator", SEQUENCE_ESTIMATORS)
@@ -329,6 +338,7 @@ class SampleSettings(Settings):
     rows: int = 4
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.require("every", self.every >= 0, ">= 0")
         self.require("rows", self.rows >= 0, ">= 0")
 
@@ -349,6 +359,7 @@ class EvaluationSettings(Settings):
     greedy: bool = False
 
     def __post_init__(self) -> None:
+        self.check_types()
         if isinstance(self.generation, GenerationSettings):
             self.generation = self.generation.as_dict()
         if self.generation is not None and not isinstance(self.generation, dict):

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
+from typing_extensions import override
 
 from lit_rlhf import functional as F
 from lit_rlhf.guards import check_finite_weights
@@ -51,11 +52,21 @@ class OnlineUpdate(LightningModule):
                 "use bf16-mixed (or 32-true)"
             )
 
+    def rollout_prompts(self) -> int | None:
+        """The prompts of one rollout on this rank: the data module's ``batch_size``, else that of the training
+        DataLoader once the fit has loaded it (from ``on_train_start`` on); None where neither tells."""
+        batch = getattr(getattr(getattr(self.trainer, "datamodule", None), "hparams", None), "batch_size", None)
+        if isinstance(batch, int):
+            return batch
+        batch = getattr(self.trainer.train_dataloader, "batch_size", None)
+        return batch if isinstance(batch, int) else None
+
     def check_minibatches_fit(self) -> None:
         """Refuse, when the fit sets up, ``update.num_minibatches`` above what a rollout of the data module's
-        ``batch_size`` prompts can be split into (the replay buffer would refuse it after the first rollout)."""
-        batch = getattr(getattr(getattr(self.trainer, "datamodule", None), "hparams", None), "batch_size", None)
-        if not isinstance(batch, int):
+        ``batch_size`` prompts can be split into (the replay buffer would refuse it after the first rollout),
+        and a ``kl.horizon`` too small for such a rollout (:meth:`check_kl_horizon_fit`)."""
+        batch = self.rollout_prompts()
+        if batch is None:
             return
         K = self.num_samples
         units, what = (batch, "prompts") if self.minibatches_of_prompts else (batch * K, "rows")
@@ -65,6 +76,36 @@ class OnlineUpdate(LightningModule):
                 f"rollout's {units} {what} (the data's batch_size {batch}, generation.num_samples {K}): each "
                 "minibatch needs at least one"
             )
+        self.check_kl_horizon_fit()
+
+    def check_kl_horizon_fit(self) -> None:
+        """Refuse an adaptive KL controller (``kl.target``) whose ``kl.horizon`` a rollout would overrun.
+
+        Each rollout moves the coefficient by the factor 1 + error x n / horizon (error in [-0.2, 0.2],
+        n the rollout's rows over all ranks: ``functional.AdaptiveKLController``), which is 0 or negative
+        from n >= 5 x horizon on: the controller would stop the fit after the first rollout's update. Checked
+        when the fit sets up (a data module's ``batch_size``) and again when training starts (a plain
+        DataLoader's); nothing is checked where neither tells the batch size.
+        """
+        prompts = self.rollout_prompts()
+        if self.kl.target is None or prompts is None:
+            return
+        K, world = self.num_samples, self.trainer.world_size
+        rows = prompts * K * world
+        if rows >= 5 * self.kl.horizon:
+            raise ValueError(
+                f"{type(self).__name__}: kl.horizon={self.kl.horizon} is too small for a rollout of {rows} rows (the"
+                f" data's batch_size {prompts} x generation.num_samples {K} x {world} process(es)): the adaptive"
+                f" KL controller of kl.target moves its coefficient by up to 20% x rows / horizon per rollout,"
+                f" which must stay below 100%; use kl.horizon >= {rows // 5 + 1}"
+            )
+
+    @override
+    def on_train_start(self) -> None:
+        """The checks of :meth:`check_kl_horizon_fit` with the training DataLoader's batch size (a fit given
+        a plain DataLoader, whose batch size the setup did not know), then the other bases' hooks."""
+        self.check_kl_horizon_fit()
+        super().on_train_start()
 
     def run_update_epochs(
         self, loss_fn: LossFn, optimized: Sequence[tuple[torch.optim.Optimizer, torch.nn.Module]]
@@ -110,7 +151,11 @@ class OnlineUpdate(LightningModule):
         finite; the gradients are removed either way. Returns the minibatch's stats and whether it stepped."""
         update = self.update
         stats = self.accumulate_minibatch(loss_fn, mb)
-        skip = update.ratio_threshold is not None and bool(stats["ratio_mean"] > update.ratio_threshold)
+        skip = False
+        if update.ratio_threshold is not None:  # one decision for every rank (the mean of their ratios), or the
+            # data-parallel copies of the model part ways: a rank that skips while another steps
+            ratio = torch.as_tensor(stats["ratio_mean"], dtype=torch.float32, device=self.device).detach().clone()
+            skip = bool(self.trainer.strategy.reduce(ratio, reduce_op="mean") > update.ratio_threshold)
         reduce = partial(self.trainer.strategy.reduce_boolean_decision, all=True)
         finite = self.step_guard.allow_step(params, reduce)  # removes the gradients if not
         if finite and not skip:
