@@ -332,8 +332,17 @@ class SigtermCheckpoint(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return
+        from lit_rlhf.fault_checkpoint import (  # (it imports this module)
+            progress_set_to,
+            validation_rerun_counters,
+        )
+
         path = self.checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        # stopped inside a validation of fit (the SIGTERM came in the step before it, or the validation itself):
+        # the counters say so, and the resumed fit runs that validation again rather than skipping it
+        counters = validation_rerun_counters(trainer) if trainer.validating and trainer.state.fn == "fit" else []
+        with progress_set_to(counters):
+            trainer.save_checkpoint(path)
         rank_zero_info(
             f"SIGTERM: saved {path} at step {trainer.global_step}; exiting with status {SIGTERM_EXIT_CODE}."
             f" Resume with --ckpt_path {path}"

@@ -44,7 +44,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint
+from lit_rlhf.callbacks import CheckpointFolderCheck, SigtermCheckpoint, check_output_folder
 from lit_rlhf.checkpoints import CheckpointFileError, load_checkpoint_file
 from lit_rlhf.cli_errors import (
     DEBUG_ENV,
@@ -268,6 +268,7 @@ class LitRLHFCLI(LightningCLI):
         subcommand = self.subcommand
         if subcommand is None:
             return
+        self._check_logger_folders()
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if str(ckpt_path) == "last":
             path = find_last_checkpoint(self.trainer)
@@ -291,6 +292,17 @@ class LitRLHFCLI(LightningCLI):
             changed = info.changed_fixed_hparams(self.model)
             if changed:
                 fail(f"{where}: checkpoint {info.path}: " + "; ".join(changed) + "; start a new run to change it")
+
+    def _check_logger_folders(self) -> None:
+        """A logger's ``save_dir`` that cannot be a writable folder (a file, no permission) is refused here, in
+        one line, not by a traceback when the run writes its config there."""
+        for logger in self.trainer.loggers:
+            save_dir = getattr(logger, "save_dir", None)
+            if save_dir is not None:
+                try:
+                    check_output_folder(save_dir, f"trainer.logger ({type(logger).__name__}) save_dir")
+                except OSError as err:
+                    fail(str(err))
 
     def _no_last_checkpoint(self) -> NoReturn:
         folders = {c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)}

@@ -189,14 +189,10 @@ class FaultCheckpoint(Callback):
                 for tracker in (progress.total, progress.current)
             ]
         elif trainer.validating:
-            # a validation inside fit: the training step is finished; Lightning runs the validation again on
-            # resume when its counters say it stopped in its first batch ("restarted mid-evaluation")
-            progress = epoch_loop.val_loop.batch_progress
-            before = progress.total.completed - progress.current.completed  # earlier validations' batches
-            counters = [(progress.total, (before + 1, before + 1, before, before)), (progress.current, (1, 1, 0, 0))]
+            counters = validation_rerun_counters(trainer)
         else:
             counters = []
-        with _progress_set_to(counters):
+        with progress_set_to(counters):
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if rolled_back and epoch_loop.batch_progress.current.completed > 0:
             # fetching the failed batch may have flagged it the epoch's last: the finished one was not
@@ -208,8 +204,17 @@ class FaultCheckpoint(Callback):
         trainer.strategy.save_checkpoint(checkpoint, path)
 
 
+def validation_rerun_counters(trainer: Trainer) -> list[tuple[Any, tuple[int, int, int, int]]]:
+    """The validation loop's counters of a checkpoint saved inside a validation of ``fit`` (the training step
+    finished) such that the resumed fit runs that validation again: Lightning does when its counters say it
+    stopped in its first batch ("restarted mid-evaluation"). For :func:`progress_set_to`."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    before = progress.total.completed - progress.current.completed  # earlier validations' batches
+    return [(progress.total, (before + 1, before + 1, before, before)), (progress.current, (1, 1, 0, 0))]
+
+
 @contextmanager
-def _progress_set_to(counters: list[tuple[Any, tuple[int, int, int, int]]]) -> Iterator[None]:
+def progress_set_to(counters: list[tuple[Any, tuple[int, int, int, int]]]) -> Iterator[None]:
     """Set Lightning progress trackers to (ready, started, processed, completed) for the block; then back."""
     saved = [(tracker, [getattr(tracker, field) for field in PROGRESS_FIELDS]) for tracker, _ in counters]
     try:

@@ -120,6 +120,11 @@ def test_output_folders_that_cannot_be_written_are_refused_before_training(workd
                         f"--trainer.callbacks={callbacks}")  # fmt: skip
         assert error_line(proc, max_lines=None).startswith(expected)  # after the model summary
         assert "epoch 1/" not in proc.stdout + proc.stderr, "no training step ran"
+    # a logger's save_dir: refused before the run writes its config there (a raw NotADirectoryError before)
+    proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/sft_tiny.yaml"),
+                    f"--trainer.logger.init_args.save_dir={tmp_path}/blocker")  # fmt: skip
+    expected = f"error: trainer.logger (TensorBoardLogger) save_dir: {tmp_path}/blocker is an existing file, not a folder"
+    assert error_line(proc, max_lines=None).startswith(expected)
 
 
 def test_errors_from_steps_keep_their_traceback():

@@ -87,6 +87,21 @@ def test_sigterm_saves_exits_143_and_resume_reproduces_the_run(uninterrupted, ti
 
 
 @pytest.mark.slow
+def test_a_sigterm_in_the_step_before_a_validation_keeps_that_validation(uninterrupted, tiny_data_dir, tmp_path):
+    # SIGTERM as batch 5 (epoch 0's last) begins: Lightning stopped inside the validation that follows, and
+    # the checkpoint's counters said that validation was done, so the resumed fit never logged it
+    proc = rm_fit(tiny_data_dir, tmp_path, "--trainer.callbacks+=faulty_modules.SigtermAt", "--trainer.callbacks.batch=5")
+    assert proc.returncode == SIGTERM_EXIT_CODE, proc.stderr[-3000:]
+    resumed = rm_fit(tiny_data_dir, tmp_path, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full, parts = scalars(uninterrupted / "runs/rm_tiny"), scalars(tmp_path / "runs/rm_tiny")
+    for tag in ("val/loss", "val/accuracy", "train/loss"):
+        assert parts[tag].keys() == full[tag].keys(), tag
+        for step, value in full[tag].items():
+            assert parts[tag][step] == pytest.approx(value, abs=1e-5), (tag, step)
+
+
+@pytest.mark.slow
 def test_export_is_not_overwritten_by_another_run_but_by_a_resume_or_overwrite(uninterrupted, tiny_data_dir):
     # a second, fresh run into the same folders: refused before training, the export kept
     export = uninterrupted / "runs/rm_tiny/export"
