@@ -118,34 +118,35 @@ class HFExport(Callback):
                 " overwrite: true in the HFExport entry of trainer.callbacks"
             )
 
-    def clear_destination(self, trainer: Trainer) -> None:
-        """With ``overwrite``, empty ``dirpath`` of what another run (or another program) left there, so that
-        the folder then holds this export alone (a PPO run's ``critic/`` does not stay beside a GRPO run's
-        ``actor/``, nor an ensemble's ``member_2/`` beside a 2-member export). Rank 0, after the barrier.
+    def clear_destination(self) -> None:
+        """With ``overwrite``, remove what another run's export left in ``dirpath``, so that the folder then
+        holds this export alone (a PPO run's ``critic/`` does not stay beside a GRPO run's ``actor/``, an
+        ensemble's ``member_2/`` beside a 2-member export, an SFT export's weights beside a PPO export's
+        sub-folders). Rank 0, before the barrier; a file that cannot be removed is warned about, not raised.
 
-        Never cleared: a folder this run wrote (its marker: a resumed run replaces its files), one without
-        ``overwrite`` (``check_destination`` refused it before), the working directory, one of its
-        ancestors or the home folder, and a folder that is or lies inside this fit's checkpoint or log
-        folders; an entry of ``dirpath`` holding such a folder is kept (their files are this run's).
+        Only a folder whose marker names another run is touched (an HFExport folder: files that HFExport did
+        not write are written over, never deleted), and in it only what an export writes: its files and its
+        ``actor``, ``critic`` and ``member_<k>`` sub-folders. Other sub-folders (logs, checkpoints) stay, and
+        the working directory, its ancestors and the home folder are never cleared.
         """
         folder = Path(self.dirpath).expanduser()
-        if not self.overwrite or not folder.is_dir() or export_owner(folder) == self.run_id:
+        owner = export_owner(folder) if folder.is_dir() else None
+        if not self.overwrite or owner is None or owner == self.run_id:
             return
-        folder = folder.resolve()
-        cwd = Path.cwd().resolve()
-        outputs = _run_output_folders(trainer)
-        if folder in (cwd, *cwd.parents, Path.home().resolve()) or any(folder == o or o in folder.parents for o in outputs):
-            rank_zero_warn(f"HFExport: {folder} holds the working directory, or this fit's checkpoints or logs: "
-                           "its other files are left in place")  # fmt: skip
+        folder, cwd = folder.resolve(), Path.cwd().resolve()
+        if folder in (cwd, *cwd.parents, Path.home().resolve(), *Path.home().resolve().parents):
+            rank_zero_warn(f"HFExport: {folder} holds the working directory or the home folder: nothing removed")
             return
         for entry in folder.iterdir():
-            path = entry.absolute()
-            if any(path == o or path in o.parents for o in outputs):
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+            export_folder = entry.name in ("actor", "critic") or re.fullmatch(r"member_\d+", entry.name)
+            try:
+                if entry.is_dir() and not entry.is_symlink():
+                    if export_folder:
+                        shutil.rmtree(entry)
+                elif entry.name != EXPORT_MARKER:
+                    entry.unlink()
+            except OSError as err:
+                rank_zero_warn(f"HFExport: could not remove {entry} of the previous export ({err})")
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -167,9 +168,9 @@ class HFExport(Callback):
         if export is None:
             raise TypeError(f"{type(pl_module).__name__} has no export_pretrained(folder) method")
         self.check_destination()
-        trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
         if trainer.is_global_zero:
-            self.clear_destination(trainer)
+            self.clear_destination()
+        trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
         export(self.dirpath)
         if trainer.is_global_zero:
             (Path(self.dirpath) / EXPORT_MARKER).write_text(json.dumps({"run_id": self.run_id}) + "\n")
@@ -177,21 +178,16 @@ class HFExport(Callback):
 
 
 def export_owner(folder: Path) -> str | None:
-    """The run id in ``folder``'s HFExport marker (None: no marker)."""
+    """The run id in ``folder``'s HFExport marker (None: no marker; ``"unreadable"`` for a marker that is not
+    the JSON object HFExport writes, e.g. cut short by a crash: a folder another run wrote)."""
     marker = folder / EXPORT_MARKER
-    return json.loads(marker.read_text()).get("run_id") if marker.is_file() else None
-
-
-def _run_output_folders(trainer: Trainer) -> list[Path]:
-    """The folders this fit writes besides its export: the checkpoint callbacks' and the loggers' ``log_dir``."""
-    folders = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
-    for callback in trainer.callbacks:  # SigtermCheckpoint, FaultCheckpoint
-        path = getattr(callback, "checkpoint_path", None)
-        if callable(path) and not isinstance(callback, ModelCheckpoint):
-            folders.append(os.path.dirname(path(trainer)))
-    for logger in trainer.loggers:
-        folders.append(getattr(logger, "log_dir", None))
-    return [Path(f).expanduser().resolve() for f in folders if f and "://" not in str(f)]
+    if not marker.is_file():
+        return None
+    try:
+        owner = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return "unreadable"
+    return owner.get("run_id", "unreadable") if isinstance(owner, dict) else "unreadable"
 
 
 def checkpoint_file(trainer: Trainer, dirpath: str | None, filename: str) -> str:

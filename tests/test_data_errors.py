@@ -23,13 +23,16 @@ def prefs(tokenizer_dir, path, **kwargs) -> PreferenceDataModule:
     return PreferenceDataModule(tokenizer_dir, str(path), val_fraction=0.0, batch_size=1, **kwargs)
 
 
-def test_non_utf8_byte_names_file_line_and_row(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("row", [3, 0])  # row 0 is also read alone, before the map (its prompt form)
+def test_non_utf8_byte_names_file_line_and_row(tokenizer_dir, tmp_path, row):
     path = tmp_path / "prefs.jsonl"
-    path.write_bytes(lines([PAIR] * 3) + b'{"prompt": "a", "chosen": "\xff ok", "rejected": "b"}\n' + lines([PAIR]))
+    bad = b'{"prompt": "a", "chosen": "\xff ok", "rejected": "b"}\n'
+    path.write_bytes(lines([PAIR] * row) + bad + lines([PAIR] * 2))
     with pytest.raises(DataFormatError) as err:
         prefs(tokenizer_dir, path).setup()
     msg = str(err.value)
-    assert msg.startswith(str(path)) and "row 3 (0-based)" in msg and "line 4: not valid UTF-8" in msg, msg
+    assert msg.startswith(str(path)) and f"row {row} (0-based)" in msg, msg
+    assert f"line {row + 1}: not valid UTF-8" in msg, msg
 
 
 def test_truncated_json_line_names_file_line_and_row(tokenizer_dir, tmp_path):

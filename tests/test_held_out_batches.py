@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
@@ -22,6 +23,7 @@ def _ranks(rows: int, world: int, batch_size: int) -> list[list[list[int]]]:
     ]
 
 
+@pytest.mark.filterwarnings("ignore:held-out rows")  # the padded cases warn (tested below)
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 60), world=st.integers(2, 5), batch_size=st.integers(1, 9))
 def test_every_row_once_and_the_same_number_of_batches_on_every_rank(rows, world, batch_size):
@@ -32,8 +34,9 @@ def test_every_row_once_and_the_same_number_of_batches_on_every_rank(rows, world
     seen = sorted(i for batches in ranks for b in batches for i in b)
     if rows >= world * counts.pop():
         assert seen == list(range(rows)), "each row exactly once"
-    else:  # fewer rows than ranks x batches: the sampler's padding repeats some
-        assert set(seen) == set(range(rows))
+    else:  # fewer rows than ranks x batches: the padding sampler's rows, some repeated (and a warning)
+        assert sorted(set(seen)) == list(range(rows))
+        assert len(seen) == math.ceil(rows / world) * world, "the padding sampler's count"
 
 
 def test_by_hand_and_in_one_process():
@@ -42,6 +45,12 @@ def test_by_hand_and_in_one_process():
     assert _ranks(9, 2, 2) == [[[0, 2], [4, 6], [8]], [[1, 3], [5], [7]]]
     single = HeldOutBatches(SequentialSampler(range(5)), 2, drop_last=False)
     assert list(single) == [[0, 1], [2, 3], [4]] and len(single) == 3
+
+
+def test_a_batch_size_of_one_over_uneven_rows_keeps_the_padding_and_warns():
+    with pytest.warns(UserWarning, match="5 rows over 2 ranks in batches of 1 .* 1 rows are evaluated twice"):
+        ranks = _ranks(5, 2, 1)
+    assert [len(b) for b in ranks] == [3, 3] and sorted(i for r in ranks for b in r for i in b) == [0, 0, 1, 2, 3, 4]
 
 
 def test_lightning_injects_its_distributed_sampler_into_it():

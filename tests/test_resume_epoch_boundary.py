@@ -2,7 +2,7 @@
 
 In the uninterrupted run the next epoch's DataLoader iterator draws its base seed from the global RNG before
 the next rollout samples; a resumed run creates its iterator before the checkpoint's RNG state is put back, so
-the state had to be put back before that iterator (at the epoch's start) for the run to sample the same tokens.
+the module records that the checkpoint ends an epoch and replays that one draw after restoring the state.
 Mid-epoch checkpoints (the other resume tests) put it back at the first rollout, after the iterator.
 """
 

@@ -253,9 +253,9 @@ class RLHFDataModule(LightningDataModule):
             max_prompt_length=self.hparams.max_prompt_length,
             max_length=self.hparams.get("max_length"),
             loss_masks=self.loss_masks,
-            first_row=self._first_row(dataset, fmt, path),
         )
         try:
+            fn_kwargs["first_row"] = self._first_row(dataset, fmt, path)
             return dataset.map(
                 encode_batch,
                 batched=True,

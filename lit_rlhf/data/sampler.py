@@ -11,6 +11,7 @@ with exactly the batch that would have come next. Code driving the sampler by ha
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sized
 
 import torch
@@ -95,8 +96,9 @@ class HeldOutBatches(BatchSampler):
     as padding would give every rank (``ceil(rows / (world * batch_size))``), sized as evenly as possible
     and never above ``batch_size``: every rank runs the same number of steps (FSDP's collective forwards,
     synced generation and per-step reductions stay in step) and each row counts once in the means,
-    which Lightning and torchmetrics reduce weighted by rows. Only with fewer rows than that number of
-    batches on some rank (fewer rows than ranks) is the sampler's padding kept.
+    which Lightning and torchmetrics reduce weighted by rows. Where some rank would hold fewer rows than that
+    number of batches (fewer rows than ranks; or a batch size of 1 with rows that do not divide by the ranks)
+    the sampler's padding is kept, and a warning says how many rows it repeats.
     """
 
     def __init__(self, sampler: Sampler[int] | Iterable[int], batch_size: int, drop_last: bool = False) -> None:
@@ -111,6 +113,15 @@ class HeldOutBatches(BatchSampler):
         own = list(range(sampler.rank, rows, world))  # this rank's rows, unpadded
         batches = math.ceil(rows / (world * self.batch_size))
         if rows < world * batches:  # some rank would hold fewer rows than batches
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                repeated = math.ceil(rows / world) * world - rows
+                warnings.warn(
+                    f"held-out rows: {rows} rows over {world} ranks in batches of {self.batch_size} cannot give every"
+                    f" rank the same number of batches; {repeated} rows are evaluated twice (a batch size that"
+                    " spreads the rows, or a row count that divides by the ranks, avoids it)",
+                    stacklevel=2,
+                )
             return None
         size, extra = divmod(len(own), batches)
         bounds = [i * size + min(i, extra) for i in range(batches + 1)]

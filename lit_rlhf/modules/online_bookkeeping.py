@@ -198,7 +198,8 @@ class OnlineBookkeeping(LightningModule):
         trainer = self._trainer
         if trainer is None or trainer.sanity_checking or not trainer.training and not trainer.validating:
             return False
-        return trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+        # processed: counted once the step ran (the step-start snapshot of a fault checkpoint has not yet)
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches
 
     def lora_models(self) -> dict[str, torch.nn.Module]:
         """Attribute name -> trained LoRA (peft) model of the module (the actor, a PPO critic): their frozen
