@@ -6,7 +6,8 @@
     sft_train.jsonl, sft_val.jsonl          {"prompt", "completion"}  (completion without the EOS)
     prompts_train.jsonl, prompts_eval.jsonl {"prompt"}
     prefs_train.jsonl, prefs_val.jsonl      {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"}
-    manifest.json                           the arguments and statistics of the world and the data
+    manifest.json                           the arguments and statistics of the world and the data (written
+                                            last, an old one deleted first: its presence means a finished build)
 
 Held-out prompts: a prompt belongs to the held-out part of the prompt space when the CRC32 of its text is
 divisible by :data:`HELDOUT_MODULUS`. Training files (``*_train``) only use the other prompts, validation
@@ -177,6 +178,9 @@ def build_assets(
         raise ValueError(f"bt_temperature must be > 0, got {bt_temperature}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # The manifest is written last and says the folder is complete: an old one goes first, so a build that
+    # does not finish leaves no manifest for the pipeline to reuse the half-written folder by.
+    (out / "manifest.json").unlink(missing_ok=True)
     args = dict(
         n_sft=n_sft,
         n_prompts=n_prompts,

@@ -17,7 +17,7 @@ Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_we
 
 Both ensembles aggregate as mean - 1 std (Coste et al. 2024, arXiv:2310.02743). Each source's run has the
 weak KL penalty and learning rate of ``ppo_overoptimize.yaml`` and runs once per training seed of ``--seeds``
-(seed 0 is the run the report plots); the report's ``overoptimize_sources``
+(seed 0 is the run the report plots: the pipeline refuses --ensemble without it); the report's ``overoptimize_sources``
 (:func:`lit_rlhf.demo.overoptimization.sources_summary`) compares their final policies seed by seed.
 """
 
@@ -67,13 +67,16 @@ def write_pretrain_manifest(out: Path) -> Path:
     )
 
 
-def fit_members(runner: StageRunner, out: Path, small: bool) -> None:
-    """Both ensembles' members: ``rm_weak_ensemble``, and an SFT backbone and a weak RM per pretrain seed."""
+def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> None:
+    """Both ensembles' members: ``rm_weak_ensemble``, and an SFT backbone and a weak RM per pretrain seed.
+
+    ``salt`` is the main SFT stage's (the assets' arguments): the extra SFT backbones train on the same
+    assets, so they re-run, like it, when those change."""
     runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
     for k in PRETRAIN_MEMBER_SEEDS:
         sft = name_run(load_config("sft", out, small), f"sft_seed{k}", k, (), out)
         sft["model"]["init_args"]["model"]["seed"] = k
-        runner.fit(f"sft_seed{k}", sft)
+        runner.fit(f"sft_seed{k}", sft, salt=salt)
         rm = name_run(load_config("rm_weak", out, small), f"rm_weak_sft{k}", k, (), out)
         rm["model"]["init_args"]["model"].update(name_or_path=str(out / f"sft_seed{k}"), seed=k)
         runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))

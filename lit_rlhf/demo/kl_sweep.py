@@ -12,8 +12,8 @@ The SFT policy itself is the point at KL 0.
 
 Summary keys: ``overoptimize_sweep`` (``points``: one per run; ``sft``: the KL-0 point; ``run_std``: how far
 the final proxy and gold of two runs of one coefficient scatter, from the seeds (:func:`run_variance`);
-``shape``: per seed, :func:`sweep_shape` with that scatter, and with evaluation noise alone under
-``*_evaluation_noise``) and the plot ``overoptimize_kl_sweep.png``.
+``shape``: per seed, :func:`sweep_shape` with the proxy's scatter in the noise of a proxy fall, and with
+evaluation noise alone under ``*_evaluation_noise``) and the plot ``overoptimize_kl_sweep.png``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ __all__ = [
 
 
 def parse_coefs(text: str) -> list[float]:
-    """``"0.1,0.01"`` -> [0.1, 0.01]: distinct positive KL coefficients (``ValueError`` names the bad one)."""
+    """``"0.1,0.01"`` -> [0.1, 0.01]: distinct positive KL coefficients whose run names (:func:`run_name`)
+    differ too (``ValueError`` names the bad one, or the two that share a name)."""
     coefs = []
     for part in [p.strip() for p in text.split(",") if p.strip()]:
         try:
@@ -49,6 +50,14 @@ def parse_coefs(text: str) -> list[float]:
         coefs.append(coef)
     if len(coefs) < 2 or len(set(coefs)) != len(coefs):
         raise ValueError(f"--kl-sweep: at least two distinct coefficients, got {text!r}")
+    named: dict[str, float] = {}
+    for coef in coefs:  # runs are named by the coefficient's :g spelling: two must not share one
+        other = named.setdefault(run_name(coef, 0), coef)
+        if other != coef:
+            raise ValueError(
+                f"--kl-sweep: {other!r} and {coef!r} would both be run {run_name(coef, 0)!r} (names keep 6"
+                " significant digits); give coefficients that differ within them"
+            )
     return coefs
 
 
@@ -185,7 +194,11 @@ def summary_fields(results: dict, runs: dict) -> dict[str, Any]:
     for seed in sorted({p["seed"] for p in points}):
         own = [p for p in points if p["seed"] == seed]
         strict = sweep_shape(own, sft)  # evaluation noise alone: two runs of one setting taken to end alike
-        shape[str(seed)] = {**sweep_shape(own, sft, run_var), "proxy_falls_evaluation_noise": strict["proxy_falls"],
+        # The proxy's rise is judged against how far two runs' final proxies scatter; the gold's fall against
+        # the evaluations' noise: its scatter across seeds at the weakest coefficients is the collapse itself
+        # (one seed runs into the exploit, another not), which is what the check looks for, not noise.
+        shape[str(seed)] = {**sweep_shape(own, sft, {"proxy": run_var["proxy"]}),
+                            "proxy_falls_evaluation_noise": strict["proxy_falls"],
                             "peaks_and_falls_evaluation_noise": strict["peaks_and_falls"]}  # fmt: skip
     run_std = {key: math.sqrt(v) for key, v in run_var.items()}
     return {"overoptimize_sweep": {"points": points, "sft": sft, "run_std": run_std, "shape": shape}}

@@ -18,6 +18,7 @@ overoptimization_shape`), ``rm_weak_val_accuracy``, ``rm_weak_ensemble_member_ac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +67,20 @@ def final_policy(final: dict, sft: dict) -> dict[str, Any]:
             "collapsed": final["gold_mean"] <= UNGRAMMATICAL_REWARD + FLOOR_MARGIN}  # fmt: skip
 
 
-def sources_summary(results: dict, runs: dict) -> dict[str, Any]:
+def sources_summary(results: dict, runs: dict, seeds: Sequence[int] | None = None) -> dict[str, Any]:
     """``overoptimize_sources``: per reward source, every seed's :func:`final_policy` and the counts; empty
-    without ``--ensemble``."""
+    without ``--ensemble``. With ``seeds`` (the demo's ``--seeds``) only those seeds' runs count, so every
+    source is summarised over the same seeds."""
     found = source_runs(runs)
     if len(found) < 2 or "sft" not in results:
         return {}
     sft = results["sft"]["summary"]
     out = {}
-    for source, seeds in found.items():
+    for source, source_seeds in found.items():
         rows = [
             {"seed": seed, "run": run, **final_policy(results[run]["summary"], sft)}
-            for seed, run in sorted(seeds.items())
+            for seed, run in sorted(source_seeds.items())
+            if seeds is None or seed in seeds
         ]
         out[source] = source_entry(rows)
     return {"overoptimize_sources": out}

@@ -66,14 +66,15 @@ FRONTIER_PROMPTS, FRONTIER_N, SMALL_FRONTIER = 64, 64, (8, 8)
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"3"`` -> [0, 1, 2] (that many seeds from 0); ``"0,5,7"`` -> those seeds."""
+    """``"3"`` -> [0, 1, 2] (that many seeds from 0); ``"7,0,5"`` -> those seeds in increasing order ([0, 5, 7]):
+    the first seed, whose runs the report's main table and ``ppo_*`` keys show, is the smallest."""
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()] if "," in text else list(range(int(text)))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seeds: a count or a comma-separated list, got {text!r}") from None
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise argparse.ArgumentTypeError(f"--seeds: at least one seed, distinct and >= 0, got {text!r}")
-    return seeds
+    return sorted(seeds)
 
 
 def parse_threads(text: str) -> int:
@@ -106,6 +107,7 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
             print(f"=== assets: reusing {folder}", flush=True)
             return manifest
     print(f"=== assets: building {folder}", flush=True)
+    manifest_path.unlink(missing_ok=True)  # an interrupted build must leave no manifest to reuse
     assets.build_assets(folder, seed=seed, **sizes)
     return json.loads(manifest_path.read_text())
 
@@ -132,7 +134,7 @@ def run_stages(
         check_online_configs({"ppo_overoptimize": over}, manifest["max_response_tokens"])
         runner.fit("ppo_overoptimize", over, ("sft", "rm_weak"))
         if ensemble:  # the three reward sources' runs, every seed (lit_rlhf.demo.ensemble_runs)
-            ensemble_runs.fit_members(runner, out, small)
+            ensemble_runs.fit_members(runner, out, small, salt)
             check = functools.partial(check_online_configs, max_response_tokens=manifest["max_response_tokens"])
             ensemble_runs.fit_runs(runner, out, small, seeds, check)
         for coef in sweep_coefs:
@@ -223,6 +225,7 @@ def run(
         manifest=manifest,
         stage_wall_s=wall,
         start_time=start,
+        seeds=list(seeds),
     )
     print(report.console_summary(summary), flush=True)
     return summary
@@ -260,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--ensemble",
         action="store_true",
         help="with the over-optimisation demo, also two weak-RM ensembles (3 members on one SFT backbone; 3 on"
-        " backbones of 3 seeds; mean - std) and the run against each source for every seed of --seeds",
+        " backbones of 3 seeds; mean - std) and the run against each source for every seed of --seeds (which"
+        " must include 0)",
     )
     parser.add_argument(
         "--kl-sweep",
@@ -275,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.ensemble and not args.overoptimize:
         parser.error("--ensemble adds to the over-optimisation demo: it cannot run with --no-overoptimize")
+    if args.ensemble and 0 not in args.seeds:  # seed 0's runs are the ones plotted, and the single weak RM's
+        parser.error(f"--ensemble needs seed 0 among --seeds (its runs are the ones plotted), got {args.seeds}")
     if args.kl_sweep and not args.overoptimize:
         parser.error("--kl-sweep adds to the over-optimisation demo: it cannot run with --no-overoptimize")
     try:  # an output folder that cannot be written fails now, not after the first stage

@@ -198,6 +198,40 @@ def machine() -> dict[str, Any]:
             "transformers": transformers.__version__}  # fmt: skip
 
 
+def _groups(values: dict[str, Any]) -> str:
+    """``{"sft": 2, "rm": 2, "ppo": 1}`` -> ``2: sft, rm; 1: ppo`` (None: ``unknown``)."""
+    groups: dict[str, list[str]] = {}
+    for name, value in values.items():
+        groups.setdefault("unknown" if value is None else str(value), []).append(name)
+    return "; ".join(f"{value}: {', '.join(names)}" for value, names in groups.items())
+
+
+def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
+    """The torch threads and CPU each fit of ``runs`` (run -> :class:`~lit_rlhf.demo.stages.StageRecord`)
+    ran with, reused ones included (``threads_per_stage``, ``cpu_per_stage``; None where a record predates
+    them), and ``note``: a sentence when they are not all ``current``'s (:func:`machine`), else None."""
+    threads = {name: run.threads for name, run in runs.items()}
+    cpus = {name: run.cpu for name, run in runs.items()}
+    notes = []
+    if set(threads.values()) != {current["threads"]}:
+        notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
+    if set(cpus.values()) != {current["cpu"]}:
+        notes.append(f"stages ran on different CPUs (this run: {current['cpu']}): {_groups(cpus)}")
+    return {"threads_per_stage": threads, "cpu_per_stage": cpus, "note": "; ".join(notes) or None}
+
+
+def machine_line(machine_: dict[str, Any]) -> list[str]:
+    """The report's line on the machine (and, when the fits ran with other threads or CPUs, the note)."""
+    lines = [
+        f"- Measured on {machine_['cpu']} ({cpu_features_text(machine_.get('cpu_features', []))})"
+        f" with {machine_['threads']} torch threads"
+        f" (torch {machine_['torch']}, transformers {machine_['transformers']})."
+    ]
+    if machine_.get("note"):
+        lines.append(f"- **Mixed machine settings**: {machine_['note']}.")
+    return lines
+
+
 def write_report(
     out: Path,
     *,
@@ -207,13 +241,15 @@ def write_report(
     manifest: dict,
     stage_wall_s: dict,
     start_time: float,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
     """Plots, ``samples.md``, ``report.md`` and ``report.json`` in ``out``; returns the report dictionary.
 
     ``runs`` maps each fit's run name to its :class:`~lit_rlhf.demo.stages.StageRecord`, ``algorithm_runs``
     each algorithm to its records (one per training seed, in seed order). The main table shows the SFT
     policy, the first seed of each algorithm and the over-optimisation run; the ``ppo_*`` keys are PPO's
-    first seed, ``algorithms`` holds every algorithm's means, spreads and per-seed figures.
+    first seed, ``algorithms`` holds every algorithm's means, spreads and per-seed figures. ``seeds`` (the
+    demo's ``--seeds``) limits the reward sources' comparison to those seeds.
     """
     report_start = time.perf_counter()
     plots, curves = _training_plots(out, runs)
@@ -233,6 +269,7 @@ def write_report(
         plots["frontier"] = out / "gold_vs_kl_frontier.png"
         frontier.plot_frontier(results["frontier"], policies, plots["frontier"])
     wall = dict(stage_wall_s, report=time.perf_counter() - report_start)
+    current_machine = machine()
     summary: dict[str, Any] = {
         "rm_val_accuracy": results["rm"]["gold_accuracy"],
         "rm_val_label_accuracy": results["rm"]["label_accuracy"],
@@ -243,7 +280,7 @@ def write_report(
         "algorithms": algorithms,
         "n_seeds": len(next(iter(algorithm_runs.values()))),
         "max_response_tokens": manifest["max_response_tokens"],
-        "machine": machine(),
+        "machine": {**current_machine, **stage_machine(runs, current_machine)},
         "wall_s": time.perf_counter() - start_time,
         "wall_s_per_stage": wall,
         "reused_stages": [name for name, run in runs.items() if run.reused],
@@ -252,16 +289,9 @@ def write_report(
         "curves": curves,
         "assets": manifest["args"],
     }
-    if "ppo" in runs:
-        ppo, ppo_init = results["ppo"]["summary"], runs["ppo"].config["model"]["init_args"]
-        summary.update({f"ppo_{k}": v for k, v in ppo.items()})
-        summary["gold_lift_sft_std"] = algorithms["ppo"]["seeds"][0]["gold_lift_sft_std"]
-        summary["ppo_kl_target"] = kl_target(ppo_init)
-        summary["ppo_kl_budget"] = KL_BUDGET
-        summary["ppo_within_kl_budget"] = ppo["kl_ref"] <= KL_BUDGET
-        summary["max_new_tokens"] = ppo_init["generation"]["max_new_tokens"]
+    summary.update(ppo_fields(results, algorithm_runs, algorithms))
     summary.update(overoptimization.summary_fields(results, curves))
-    summary.update(overoptimization.sources_summary(results, runs))
+    summary.update(overoptimization.sources_summary(results, runs, seeds))
     summary.update(kl_sweep.summary_fields(results, runs))
     if "overoptimize_sweep" in summary:
         plots["overoptimize_kl_sweep"] = out / "overoptimize_kl_sweep.png"
@@ -270,6 +300,25 @@ def write_report(
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary, results, shown))
     return summary
+
+
+def ppo_fields(results: dict, algorithm_runs: dict[str, list], algorithms: dict) -> dict[str, Any]:
+    """The ``ppo_*`` keys and ``gold_lift_sft_std``: all of PPO's first run (``algorithm_runs["ppo"][0]``, the
+    first seed, as in the main table); empty without PPO."""
+    if not algorithm_runs.get("ppo"):
+        return {}
+    first = algorithm_runs["ppo"][0]
+    ppo, ppo_init = results[first.run]["summary"], first.config["model"]["init_args"]
+    (figures,) = [s for s in algorithms["ppo"]["seeds"] if s["run"] == first.run]
+    return {
+        **{f"ppo_{k}": v for k, v in ppo.items()},
+        "ppo_run": first.run,
+        "gold_lift_sft_std": figures["gold_lift_sft_std"],
+        "ppo_kl_target": kl_target(ppo_init),
+        "ppo_kl_budget": KL_BUDGET,
+        "ppo_within_kl_budget": ppo["kl_ref"] <= KL_BUDGET,
+        "max_new_tokens": ppo_init["generation"]["max_new_tokens"],
+    }
 
 
 def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
@@ -314,7 +363,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
-    wall, n_seeds = summary["wall_s_per_stage"], summary["n_seeds"]
+    n_seeds = summary["n_seeds"]
     lines = [
         "# lit_rlhf demo: SFT -> reward model -> " + ", ".join(_label(n) for n in summary["algorithms"]),
         "",
@@ -335,22 +384,27 @@ def _report_md(summary: dict, results: dict, shown: list[str]) -> str:
         f"- Reward model held-out accuracy against gold: {summary['rm_val_accuracy']:.3f} on"
         f" {summary['rm_val_pairs']} pairs with different gold rewards (against the noisy labels:"
         f" {summary['rm_val_label_accuracy']:.3f}).",
-        f"- Measured on {summary['machine']['cpu']} ({cpu_features_text(summary['machine'].get('cpu_features', []))})"
-        f" with {summary['machine']['threads']} torch threads"
-        f" (torch {summary['machine']['torch']}, transformers {summary['machine']['transformers']}).",
+        *machine_line(summary["machine"]),
         f"- Longest grammatical response: {summary['max_response_tokens']} tokens with EOS (the"
         " pipeline checks every online config's max_new_tokens against it).",
     ]
     lines += overoptimization.report_lines(summary)
     lines += kl_sweep.report_lines(summary)
     lines += ["", "## Algorithms side by side", "", *compare.section_md(summary)]
-    lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
-    reused = set(summary["reused_stages"])
-    lines += [f"| {stage} | {seconds:.1f}{' (reused)' if stage in reused else ''} |" for stage, seconds in wall.items()]
-    lines += [f"| **total** | **{summary['wall_s']:.1f}** |", "", "## Plots", ""]
+    lines += ["", "## Wall time per stage (s)", "", *wall_table(summary), "", "## Plots", ""]
     lines += [f"![{name}]({Path(p).name})" for name, p in summary["plots"].items()]
     lines += ["", "Samples: [samples.md](samples.md). TensorBoard: `tensorboard --logdir tb`.", ""]
     return "\n".join(lines)
+
+
+def wall_table(summary: dict) -> list[str]:
+    """The wall time of every stage, with the torch threads each fit ran with (reused ones: their own)."""
+    reused, threads = set(summary["reused_stages"]), summary["machine"].get("threads_per_stage", {})
+    lines = ["| stage | seconds | torch threads |", "|---|---|---|"]
+    for stage, seconds in summary["wall_s_per_stage"].items():
+        fit_threads = _fmt(threads[stage], "d") if stage in threads else ""
+        lines.append(f"| {stage} | {seconds:.1f}{' (reused)' if stage in reused else ''} | {fit_threads} |")
+    return [*lines, f"| **total** | **{summary['wall_s']:.1f}** | |"]
 
 
 def console_summary(summary: dict) -> str:
@@ -362,6 +416,7 @@ def console_summary(summary: dict) -> str:
         "lit_rlhf demo summary",
         f"  machine                        {summary['machine']['cpu']}"
         f" ({' '.join(summary['machine'].get('cpu_features', []))}), {summary['machine']['threads']} threads",
+        *([f"  NOTE: {summary['machine']['note']}"] if summary["machine"].get("note") else []),
         f"  RM held-out accuracy vs gold   {summary['rm_val_accuracy']:.3f}",
         f"  SFT gold {summary['sft_gold_mean']:+.2f} +- {summary['sft_gold_std']:.2f},"
         f" grammatical {summary['sft_grammatical_rate']:.3f}",

@@ -4,8 +4,13 @@ whose peak memory is measured), and reusing a stage already run with the same co
 A stage's config is ``configs/demo/<config>.yaml`` with every ``runs/demo/`` path moved under ``OUT``
 (and, with ``--small``, tiny sizes merged in), written to ``OUT/configs/<run>.yaml``. Every finished
 stage is recorded in ``OUT/stages.json`` with a key: the hash of its config text and of the keys of the
-stages whose outputs it reads. ``--reuse`` skips a stage whose key is recorded and whose export folder is
-there (it trusts that the code did not change in between).
+stages whose outputs it reads, with the output folder ``OUT`` itself written as a placeholder, so the same
+folder spelt another way (``runs/demo`` or its absolute path) gives the same keys. ``--reuse`` skips a stage
+whose key is recorded and whose export folder is there (it trusts that the code did not change in between);
+a key recorded before the placeholder (``OUT`` hashed as spelt) is still recognised. A stage that is run
+(again) first loses its record and its logs, gold curve and memory figures, so a fit that does not finish
+leaves nothing a later ``--reuse`` could mistake for its outputs. Each record also keeps the torch thread
+count and the CPU model the stage ran with (a reused stage may come from another ``--threads``).
 """
 
 from __future__ import annotations
@@ -132,9 +137,46 @@ def name_run(config: dict, run: str, seed: int, seed_args: tuple[str, ...], out:
     return config
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+OUT_PLACEHOLDER = "<OUT>"  # what the output folder's path is hashed as in a stage key
+
+
+def _out_spellings(out: Path) -> list[str]:
+    """The spellings of ``out`` that may start a config path: as given and resolved (longest first)."""
+    spellings = {str(out), str(out.resolve()), os.path.abspath(out)}
+    return sorted((s for s in spellings if s not in ("", ".")), key=len, reverse=True)
+
+
+def without_out(node: Any, out: Path) -> Any:
+    """``node`` (a config) with every path under ``out``, in any spelling of :func:`_out_spellings`, starting
+    with :data:`OUT_PLACEHOLDER` instead."""
+    if isinstance(node, dict):
+        return {k: without_out(v, out) for k, v in node.items()}
+    if isinstance(node, list):
+        return [without_out(v, out) for v in node]
+    if isinstance(node, str):
+        for spelling in _out_spellings(out):
+            if node == spelling or node.startswith(spelling.rstrip(os.sep) + os.sep):
+                return OUT_PLACEHOLDER + node[len(spelling.rstrip(os.sep)) :]
+    return node
+
+
 @dataclass
 class StageRecord:
-    """What the report needs of a finished stage (also what ``stages.json`` keeps for ``--reuse``)."""
+    """What the report needs of a finished stage (also what ``stages.json`` keeps for ``--reuse``).
+
+    ``threads`` and ``cpu`` are the torch thread count and the CPU model the stage ran with (None in records
+    written before they were kept)."""
 
     run: str
     key: str
@@ -143,6 +185,8 @@ class StageRecord:
     wall_s: float
     peak_rss_mb: float | None = None
     reused: bool = False
+    threads: int | None = None
+    cpu: str | None = None
 
 
 class StageRunner:
@@ -158,34 +202,57 @@ class StageRunner:
         self.book = out / "stages.json"
         self.recorded: dict[str, dict] = json.loads(self.book.read_text()) if self.book.exists() else {}
         self.records: dict[str, StageRecord] = {}
+        self.legacy_keys: dict[str, str] = {}  # run -> its key with OUT hashed as spelt (older stages.json)
 
     def key(self, config: dict, inputs: tuple[str, ...], salt: str = "") -> str:
-        """Hash of the config text and of the keys of the ``inputs`` stages (and ``salt``)."""
-        text = yaml.safe_dump(config, sort_keys=True) + salt
-        text += "".join(self.records[name].key for name in inputs)
+        """Hash of the config text (``OUT`` as a placeholder) and of the keys of the ``inputs`` stages (and ``salt``)."""
+        return self._hash(without_out(config, self.out), [self.records[name].key for name in inputs], salt)
+
+    def legacy_key(self, config: dict, inputs: tuple[str, ...], salt: str = "") -> str:
+        """The key of older versions: ``OUT`` hashed as spelt, chained through the inputs' legacy keys."""
+        return self._hash(config, [self.legacy_keys.get(name, self.records[name].key) for name in inputs], salt)
+
+    @staticmethod
+    def _hash(config: dict, input_keys: list[str], salt: str) -> str:
+        text = yaml.safe_dump(config, sort_keys=True) + salt + "".join(input_keys)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _write_book(self) -> None:
+        self.book.write_text(json.dumps(self.recorded, indent=1) + "\n")
+
+    def forget(self, run: str, log_dir: str) -> None:
+        """Drop ``run``'s record from ``stages.json`` and delete its logs, gold curve and memory figures:
+        what a fit about to (re)start replaces, so that an interrupted fit leaves none of it behind."""
+        if self.recorded.pop(run, None) is not None:
+            self._write_book()
+        shutil.rmtree(log_dir, ignore_errors=True)
+        for folder in ("curves", "memory"):
+            (self.out / folder / f"{run}.json").unlink(missing_ok=True)
 
     def fit(
         self, run: str, config: dict, inputs: tuple[str, ...] = (), *, subprocess_: bool = False, salt: str = ""
     ) -> StageRecord:
         """Fit ``config`` as stage ``run`` (reused if allowed), in a child process if ``subprocess_``."""
-        key = self.key(config, inputs, salt)
+        import torch
+
+        key, legacy = self.key(config, inputs, salt), self.legacy_key(config, inputs, salt)
         previous = self.recorded.get(run)
-        if self.reuse and previous and previous["key"] == key and Path(export_dir(config)).exists():
+        if self.reuse and previous and previous["key"] in (key, legacy) and Path(export_dir(config)).exists():
             print(f"\n=== {run}: reusing the run recorded in {self.book}", flush=True)
-            record = StageRecord(**{**previous, "reused": True})
+            record = StageRecord(**{**previous, "key": key, "reused": True})
         else:
-            path = write_config(config, self.out, run)
             logger = config["trainer"]["logger"]["init_args"]
             log_dir = str(Path(logger["save_dir"]) / logger["name"])
-            shutil.rmtree(log_dir, ignore_errors=True)
+            self.forget(run, log_dir)
+            path = write_config(config, self.out, run)
             print(f"\n=== {run}: lit-rlhf fit --config {path}", flush=True)
-            start = time.perf_counter()
+            threads, start = torch.get_num_threads(), time.perf_counter()
             peak_rss_mb = fit_in_child(path) if subprocess_ else fit_here(path)
-            record = StageRecord(run, key, config, log_dir, time.perf_counter() - start, peak_rss_mb)
-        self.records[run] = record
+            wall_s = time.perf_counter() - start
+            record = StageRecord(run, key, config, log_dir, wall_s, peak_rss_mb, threads=threads, cpu=cpu_model())
+        self.records[run], self.legacy_keys[run] = record, legacy
         self.recorded[run] = {k: v for k, v in record.__dict__.items() if k != "reused"}
-        self.book.write_text(json.dumps(self.recorded, indent=1) + "\n")
+        self._write_book()
         return record
 
 

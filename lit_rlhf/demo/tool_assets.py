@@ -128,6 +128,7 @@ def build_tool_assets(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # written last: no manifest until the build is whole
     args = dict(n_sft=n_sft, n_prompts=n_prompts, n_eval_prompts=n_eval_prompts, tool_fraction=tool_fraction,
                 copy_fraction=copy_fraction, sft_sum_fraction=sft_sum_fraction, val_fraction=val_fraction, seed=seed,
                 vocab_size=vocab_size)  # fmt: skip

@@ -122,6 +122,7 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
             print(f"=== assets: reusing {folder}", flush=True)
             return manifest
     print(f"=== assets: building {folder}", flush=True)
+    manifest_path.unlink(missing_ok=True)  # an interrupted build must leave no manifest to reuse
     tool_assets.build_tool_assets(folder, seed=seed, **sizes)
     return json.loads(manifest_path.read_text())
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lit_rlhf.demo.report import read_scalars
+from lit_rlhf.demo.report import machine, machine_line, read_scalars, stage_machine, wall_table
 from lit_rlhf.demo.tool_evaluate import SETTINGS
 
 METRICS = ("accuracy", "tool_call_rate", "tool_calls", "tool_errors", "turns")
@@ -61,7 +61,7 @@ def write_report(out: Path, *, results: dict, runs: dict, records: dict, manifes
     sft = {setting: results["sft"][setting]["summary"] for setting in SETTINGS}
     algorithms = {}
     for name, seed_records in runs.items():
-        per_seed = [{"run": r.run, "seed": r.config["seed_everything"], "train_s": r.wall_s,
+        per_seed = [{"run": r.run, "seed": r.config["seed_everything"], "wall_s": r.wall_s,
                      **{s: results[r.run][s]["summary"] for s in SETTINGS}} for r in seed_records]  # fmt: skip
         algorithms[name] = aggregate(per_seed)
     curves = {r.run: _curves(r.log_dir) for seed_records in runs.values() for r in seed_records}
@@ -80,6 +80,8 @@ def write_report(out: Path, *, results: dict, runs: dict, records: dict, manifes
         "tensorboard": {name: str(record.log_dir) for name, record in records.items()},
         "assets": manifest["args"],
     }
+    current_machine = machine()
+    summary["machine"] = {**current_machine, **stage_machine(records, current_machine)}
     summary["wall_s"] = time.perf_counter() - start_time
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_report_md(summary))
@@ -168,16 +170,15 @@ def _report_md(summary: dict) -> str:
                 f" {s['product']['accuracy']:.3f} | {s['tool_call_rate']:.3f} | {s['tool_calls']:.3f} |"
                 f" {s['tool_errors']:.3f} | {s['turns']:.2f} | {_fmt(s['answered_call_accuracy'])} |"
             )
-    lines += ["", "## Per seed (accuracy with the tool / without)", "", "| run | seed | with the tool | without | train s |",
+    lines += ["", "## Per seed (accuracy with the tool / without)", "", "| run | seed | with the tool | without | wall s |",
               "|---|---|---|---|---|"]  # fmt: skip
     for entry in summary["algorithms"].values():
         for s in entry["seeds"]:
             lines.append(f"| {s['run']} | {s['seed']} | {s['tool']['accuracy']:.3f} | {s['no_tool']['accuracy']:.3f} |"
-                         f" {s['train_s']:.0f} |")  # fmt: skip
-    lines += ["", "## Wall time per stage (s)", "", "| stage | seconds |", "|---|---|"]
-    reused = set(summary["reused_stages"])
-    lines += [f"| {k} | {v:.1f}{' (reused)' if k in reused else ''} |" for k, v in summary["wall_s_per_stage"].items()]
-    lines += [f"| **total** | **{summary['wall_s']:.1f}** |", "", "![tool world](tool_world.png)", "",
+                         f" {s['wall_s']:.0f} |")  # fmt: skip
+    lines += ["", *machine_line(summary["machine"])]
+    lines += ["", "## Wall time per stage (s)", "", *wall_table(summary)]
+    lines += ["", "![tool world](tool_world.png)", "",
               "Samples: [samples.md](samples.md). TensorBoard: `tensorboard --logdir tb`.", ""]  # fmt: skip
     return "\n".join(lines)
 
@@ -206,5 +207,7 @@ def console_summary(summary: dict) -> str:
         f" (x{_fmt(t['ratio_to_sft'], '.2f')}) and vs no tool {t['grpo_no_tool_accuracy']:.3f}:"
         f" {'met' if t['met'] else 'NOT met'}"
     )
+    m = summary["machine"]
+    lines.append(f"  machine {m['cpu']}, {m['threads']} threads" + (f"; NOTE: {m['note']}" if m.get("note") else ""))
     lines += [f"  wall time {summary['wall_s']:.0f} s", "=" * 78]
     return "\n".join(lines)
