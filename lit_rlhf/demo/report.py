@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lit_rlhf.demo import compare, frontier, kl_sweep, overoptimization
 from lit_rlhf.demo.curves import KL_BUDGET
 from lit_rlhf.demo.evaluate import EVAL_TEMPERATURE
+from lit_rlhf.demo.machine import CPU_FEATURES, cpu_features_text, machine, machine_line, stage_machine  # noqa: F401
 
 MIN_PROMPTS_PER_POINT = 256
 SAMPLES_IN_REPORT = 24
@@ -164,71 +163,6 @@ def _table(results: dict, names: list[str]) -> list[str]:
     lines.append("|---|" + "---|" * len(names))
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(results[n]["summary"][key]) for n in names) + " |")
-    return lines
-
-
-# The vector units that tell the CPU kinds of this project's machines apart (one "model name" can be either
-# Xeon; float32 products round alike with or without AMX, which only bf16 and int8 products use).
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_features_text(present: list[str]) -> str:
-    """Which of ``CPU_FEATURES`` the CPU has and which it lacks, e.g. ``avx2, avx512f; no avx512_bf16, amx_bf16``."""
-    absent = [f for f in CPU_FEATURES if f not in present]
-    parts = [", ".join(present)] if present else []
-    return "; ".join(parts + ([f"no {', '.join(absent)}"] if absent else []))
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
-    hence the demo's figures, moves with each of them)."""
-    import platform
-
-    import transformers
-
-    cpu, features = platform.processor() or "unknown CPU", []
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-        flags = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
-        features = [f for f in CPU_FEATURES if f in flags]
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpu_features": features, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__}  # fmt: skip
-
-
-def _groups(values: dict[str, Any]) -> str:
-    """``{"sft": 2, "rm": 2, "ppo": 1}`` -> ``2: sft, rm; 1: ppo`` (None: ``unknown``)."""
-    groups: dict[str, list[str]] = {}
-    for name, value in values.items():
-        groups.setdefault("unknown" if value is None else str(value), []).append(name)
-    return "; ".join(f"{value}: {', '.join(names)}" for value, names in groups.items())
-
-
-def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
-    """The torch threads and CPU each fit of ``runs`` (run -> :class:`~lit_rlhf.demo.stages.StageRecord`)
-    ran with, reused ones included (``threads_per_stage``, ``cpu_per_stage``; None where a record predates
-    them), and ``note``: a sentence when they are not all ``current``'s (:func:`machine`), else None."""
-    threads = {name: run.threads for name, run in runs.items()}
-    cpus = {name: run.cpu for name, run in runs.items()}
-    notes = []
-    if set(threads.values()) != {current["threads"]}:
-        notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
-    if set(cpus.values()) != {current["cpu"]}:
-        notes.append(f"stages ran on different CPUs (this run: {current['cpu']}): {_groups(cpus)}")
-    return {"threads_per_stage": threads, "cpu_per_stage": cpus, "note": "; ".join(notes) or None}
-
-
-def machine_line(machine_: dict[str, Any]) -> list[str]:
-    """The report's line on the machine (and, when the fits ran with other threads or CPUs, the note)."""
-    lines = [
-        f"- Measured on {machine_['cpu']} ({cpu_features_text(machine_.get('cpu_features', []))})"
-        f" with {machine_['threads']} torch threads"
-        f" (torch {machine_['torch']}, transformers {machine_['transformers']})."
-    ]
-    if machine_.get("note"):
-        lines.append(f"- **Mixed machine settings**: {machine_['note']}.")
     return lines
 
 

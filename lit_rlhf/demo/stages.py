@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from lit_rlhf.demo.machine import cpu_model
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
 DEFAULT_ROOT = "runs/demo/"  # the prefix of every path in configs/demo/*.yaml
 
@@ -135,17 +137,6 @@ def name_run(config: dict, run: str, seed: int, seed_args: tuple[str, ...], out:
         if callback["class_path"].endswith("HFExport"):
             callback["init_args"]["dirpath"] = str(out / run)
     return config
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    import platform
-
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 OUT_PLACEHOLDER = "<OUT>"  # what the output folder's path is hashed as in a stage key

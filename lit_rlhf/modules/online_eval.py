@@ -58,6 +58,25 @@ def _plain_numpy_state(state: tuple) -> list:
     return [name, keys.tolist(), int(position), int(has_gauss), float(cached)]
 
 
+@contextmanager
+def seeded_fork(key: tuple[int, ...], device: torch.device) -> Iterator[None]:
+    """Torch's (CPU and ``device``'s CUDA), Python's and NumPy's global RNGs forked and seeded by ``key`` (ints,
+    hashed alike in every process) for the block, then put back: draws inside are repeatable from ``key``,
+    and the streams outside (training's, another rank's) are left as they were."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    held = random.getstate(), np.random.get_state()  # an environment's draws leave the outer streams alone
+    try:
+        with torch.random.fork_rng(devices=devices):
+            seed = hash(key) & (2**63 - 1)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            yield
+    finally:
+        random.setstate(held[0])
+        np.random.set_state(held[1])
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put back :func:`rng_state`'s states (Python's and NumPy's where the state has them: checkpoints of
     earlier versions hold torch's only)."""
@@ -108,18 +127,8 @@ class OnlineEvaluation(LightningModule):
     def evaluation_rng(self, batch_idx: int, dataloader_idx: int) -> Iterator[None]:
         """A forked global RNG seeded by (rng_seed, rank, loader, batch): evaluation draws are repeatable
         and the caller's RNG state is restored on exit."""
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        held = random.getstate(), np.random.get_state()  # an environment's draws leave training's stream alone
-        try:
-            with torch.random.fork_rng(devices=devices):
-                seed = hash((self.rng_seed, self.global_rank, dataloader_idx, batch_idx)) & (2**63 - 1)
-                torch.manual_seed(seed)
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
-                yield
-        finally:
-            random.setstate(held[0])
-            np.random.set_state(held[1])
+        with seeded_fork((self.rng_seed, self.global_rank, dataloader_idx, batch_idx), self.device):
+            yield
 
     @torch.no_grad()
     def policy_logprobs(

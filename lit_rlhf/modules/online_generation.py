@@ -7,13 +7,11 @@ length (right-padded).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 
@@ -23,6 +21,7 @@ from lit_rlhf.environments import Episodes, open_episodes, run_episodes
 from lit_rlhf.models import check_positions, generation_stop_ids
 from lit_rlhf.modules.base import internal_base
 from lit_rlhf.modules.distributed import generation_context
+from lit_rlhf.modules.online_eval import seeded_fork
 from lit_rlhf.rollout import GenerationSettings
 
 
@@ -131,18 +130,8 @@ class OnlineGeneration(LightningModule):
         if self.trainer.world_size == 1:
             yield
             return
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        held = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=devices):
-                seed = hash((self.rng_seed, self.global_rank, self.rollouts_done, -1)) & (2**63 - 1)  # ints: hashed alike everywhere
-                torch.manual_seed(seed)
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
-                yield
-        finally:
-            random.setstate(held[0])
-            np.random.set_state(held[1])
+        with seeded_fork((self.rng_seed, self.global_rank, self.rollouts_done, -1), self.device):  # -1: not an eval key
+            yield
 
     def rollout_sample(
         self, batch: dict[str, torch.Tensor], settings: GenerationSettings, greedy: bool = False
