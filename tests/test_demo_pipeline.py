@@ -616,3 +616,53 @@ def test_prior_study_bad_arguments_are_usage_errors(args, message, tmp_path, cap
     with pytest.raises(SystemExit) as exit_info:
         prior_study.main(["--out", str(tmp_path), *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_disagreement_study_on_the_small_run(small_run, capsys):
+    """Unlabelled SFT samples, the last share kept from ending early; members trained with and without the
+    disagreement term differ; the study's figures and report."""
+    from lit_rlhf.demo import disagreement_study
+    from lit_rlhf.models import load_tokenizer
+
+    out, *_ = small_run
+    tokenizer = load_tokenizer(str(out / "sft"))
+    texts, stats = disagreement_study.unlabelled_texts(out, 8, 1.5, forced_share=0.5, min_new_tokens=6)
+    assert len(texts) == stats["n"] == 8 and 0.0 <= stats["grammatical"] <= 1.0
+    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:8]
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        assert text.startswith(prompt)
+        if i >= 4:  # forced: at least 6 response tokens, no EOS among them
+            n_response = len(tokenizer(text)["input_ids"]) - len(tokenizer(prompt)["input_ids"])
+            assert n_response >= 6, text
+    pairs = evaluate.read_jsonl(out / "assets" / "prefs_train.jsonl")[:64]
+    plain, diverse = (
+        disagreement_study.train_ensemble(out, tokenizer, pairs, texts, 0, alpha, 1.0, steps=2) for alpha in (0.0, 1.0)
+    )
+    assert len(plain) == len(diverse) == 3
+    assert any(not torch.equal(p, q) for p, q in zip(plain[0].f.parameters(), diverse[0].f.parameters()))
+    argv = ["--out", str(out), "--coefs", "0,1", "--draws", "0", "--steps", "2", "--texts", "4", "--pairs", "64",
+            "--unlabelled", "8", "--forced-share", "0.5", "--min-new-tokens", "4", "--threads", "1"]  # fmt: skip
+    results = disagreement_study.main(argv)
+    assert [(r["draw"], r["alpha"]) for r in results] == [(0, 0.0), (0, 1.0)]
+    for r in results:
+        assert len(r["member_accuracy"]) == 3 and 0.0 <= r["p_good_over_exploit_1std"] <= 1.0
+        assert r["unlabelled"]["n"] == 8 and r["unlabelled"]["forced_share"] == 0.5
+    assert json.loads((out / "disagreement_study.json").read_text()) == json.loads(json.dumps(results))
+    assert "unlabelled texts:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--coefs", "x"], "comma-separated numbers"),
+        (["--forced-share", "1.5"], "--forced-share in [0, 1]"),
+        (["--min-new-tokens", "99"], "at most the samples'"),
+        ([], "run the demo pipeline first"),
+    ],
+)
+def test_disagreement_study_bad_arguments_are_usage_errors(args, message, tmp_path, capsys):
+    from lit_rlhf.demo import disagreement_study
+
+    with pytest.raises(SystemExit) as exit_info:
+        disagreement_study.main(["--out", str(tmp_path), *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -208,3 +208,48 @@ def test_standardised_members_ignore_each_members_offset_and_scale(K, B, seed, s
 def test_standardised_members_refuse_bad_statistics(means, stds, message):
     with pytest.raises(ValueError, match=f"standardize_members: .*{message}"):
         F.standardize_members(torch.zeros(2, 3), torch.tensor(means), torch.tensor(stds))
+
+
+def test_disagreement_loss_by_hand():
+    # labelled: two members, texts (1, 3) and (1, 1): spreads 1 and 0 -> agree = (1 + 0) / 2 = 0.5 (eps aside)
+    # unlabelled: spreads 0.5 (scores 0, 1) and 2 (scores -2, 2): relu(1 - 0.5) = 0.5, relu(1 - 2) = 0
+    # -> disagree = 0.25; loss = 0.75
+    labelled = torch.tensor([[1.0, 1.0], [3.0, 1.0]])
+    unlabelled = torch.tensor([[0.0, -2.0], [1.0, 2.0]])
+    loss = F.disagreement_loss(labelled, unlabelled, target=1.0, eps=1e-12)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert loss.item() == pytest.approx(0.75, abs=1e-5)
+
+
+def test_disagreement_loss_gradients_pull_labelled_together_and_unlabelled_apart():
+    labelled = torch.tensor([[0.0, 2.0], [1.0, 2.0]], requires_grad=True)
+    unlabelled = torch.tensor([[0.0], [0.2]], requires_grad=True)
+    F.disagreement_loss(labelled, unlabelled, target=1.0).backward()
+    # text 0 of the labelled set: member 0 below member 1 -> its gradient step raises it, member 1's lowers
+    assert labelled.grad[0, 0] < 0 < labelled.grad[1, 0]
+    # the unlabelled text, spread 0.1 < target: a step moves the members apart
+    assert unlabelled.grad[0, 0] > 0 > unlabelled.grad[1, 0]
+    # a spread beyond the target adds nothing: no gradient
+    far = torch.tensor([[-3.0], [3.0]], requires_grad=True)
+    F.disagreement_loss(torch.zeros(2, 1), far, target=1.0).backward()
+    assert torch.equal(far.grad, torch.zeros(2, 1))
+
+
+def test_disagreement_loss_with_identical_members_has_finite_gradients():
+    scores = torch.ones(3, 4, requires_grad=True)
+    F.disagreement_loss(scores, scores, target=0.5).backward()
+    assert torch.isfinite(scores.grad).all()
+
+
+@pytest.mark.parametrize(
+    ("labelled", "unlabelled", "target", "message"),
+    [
+        (torch.zeros(3, 2), torch.zeros(2, 2), 1.0, "same number of members"),
+        (torch.zeros(1, 2), torch.zeros(1, 2), 1.0, "K >= 2"),
+        (torch.zeros(2, 2), torch.zeros(2, 2), 0.0, "`target` must be > 0"),
+        (torch.zeros(4), torch.zeros(2, 2), 1.0, "must be \\(K, B\\)"),
+    ],
+)
+def test_disagreement_loss_refuses_bad_arguments(labelled, unlabelled, target, message):
+    with pytest.raises(ValueError, match=message):
+        F.disagreement_loss(labelled, unlabelled, target)

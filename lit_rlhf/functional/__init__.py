@@ -19,6 +19,7 @@ from lit_rlhf.functional.behavior import BEHAVIOR_MISMATCH_STATS, behavior_misma
 from lit_rlhf.functional.ensembles import (
     ENSEMBLE_AGGREGATIONS,
     aggregate_ensemble,
+    disagreement_loss,
     ensemble_std,
     poisson_bootstrap_weights,
     standardize_members,
@@ -114,6 +115,7 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "ENSEMBLE_AGGREGATIONS",
     "aggregate_ensemble",
+    "disagreement_loss",
     "best_worst_pairs",
     "ensemble_std",
     "poisson_bootstrap_weights",

@@ -19,6 +19,7 @@ from lit_rlhf.functional._checks import as_float, check_number
 __all__ = [
     "ENSEMBLE_AGGREGATIONS",
     "aggregate_ensemble",
+    "disagreement_loss",
     "ensemble_std",
     "poisson_bootstrap_weights",
     "standardize_members",
@@ -188,3 +189,46 @@ def _check_scores(fn: str, scores: torch.Tensor) -> None:
         raise ValueError(
             f"{fn}: `scores` must be (K, B) with K >= 1 members, got shape {tuple(scores.shape)}"
         )
+
+
+def disagreement_loss(
+    labelled: torch.Tensor, unlabelled: torch.Tensor, target: float, eps: float = 1e-6
+) -> torch.Tensor:
+    """Agree where the pairs speak, disagree where they do not: diversity by disagreement (D-BAT, Pagliardini
+    et al. 2023, "Agree to Disagree", ICLR 2023, arXiv:2202.04414, sec. 3), for scalar reward models.
+
+        agree    = mean_n sqrt(var_k(s_kn) + eps)                  over the labelled texts n
+        disagree = mean_u relu(target - sqrt(var_k(s_ku) + eps))   over the unlabelled texts u
+        loss     = agree + disagree
+
+    Added to the members' Bradley-Terry losses it keeps their spread (``ensemble_std``) small on the texts of
+    the preference pairs, which also pins their offsets together (Bradley-Terry alone leaves each member's
+    offset free), and asks for a spread of at least ``target`` on texts no pair covers; so that spread has
+    to come from what sets those texts apart, and mean - k std (``aggregate_ensemble``) falls there. The hinge
+    bounds the disagreement (without it the members would drift apart without end). ``eps`` keeps the
+    gradient of the square root finite where the members agree exactly.
+
+    Args:
+        labelled: (K, N) the members' scores of the pairs' texts (chosen and rejected).
+        unlabelled: (K, U) their scores of unlabelled texts.
+        target: the spread asked for on the unlabelled texts (> 0), in the scores' units.
+        eps: added to the variances before the square root (> 0).
+
+    Returns:
+        () float32 loss.
+    """
+    fn = "disagreement_loss"
+    _check_scores(fn, labelled)
+    _check_scores(fn, unlabelled)
+    if labelled.shape[0] != unlabelled.shape[0] or labelled.shape[0] < 2:
+        raise ValueError(
+            f"{fn}: labelled {tuple(labelled.shape)} and unlabelled {tuple(unlabelled.shape)} need the same "
+            "number of members K >= 2 on dim 0"
+        )
+    check_number(fn, "target", target, low=0.0, low_inclusive=False)
+    check_number(fn, "eps", eps, low=0.0, low_inclusive=False)
+    labelled, unlabelled = as_float(labelled), as_float(unlabelled)  # (K, N), (K, U)
+    agree = (labelled.var(dim=0, correction=0) + eps).sqrt().mean()  # ()
+    spread = (unlabelled.var(dim=0, correction=0) + eps).sqrt()  # (U,)
+    disagree = torch.relu(target - spread).mean()  # ()
+    return agree + disagree

@@ -1,0 +1,197 @@
+"""Do members trained to agree on the pairs and disagree off them keep PPO off the demo world's exploit?
+
+``python -m lit_rlhf.demo.disagreement_study --out runs/demo --coefs 0,1 --draws 0,1 --threads 2`` reads a
+finished demo folder and, per draw d and disagreement weight alpha, trains a three-member ensemble jointly with
+the weak RM's recipe (``configs/demo/rm_weak.yaml``: its first 2,400 pairs, 150 steps of 32, AdamW, warm-up
+cosine schedule, each member's gradient clipped to 1.0), each member on its own Poisson bootstrap resample, with
+``functional.disagreement_loss`` added (weight alpha): the members' spread on the pairs' texts is penalised,
+and their spread below ``--target`` on unlabelled texts is too (Pagliardini et al. 2023, "Agree to Disagree",
+ICLR 2023, arXiv:2202.04414: diversity by disagreement where there are no labels). The unlabelled texts are
+the SFT policy's samples of the training prompts at ``--temperature`` (above the rollouts' 0.8): the region a
+policy drifts to first, which no pair covers. The study never shows the members the exploit.
+
+Each ensemble is scored as in :mod:`lit_rlhf.demo.prior_study` (gold accuracy on the held-out pairs; good,
+exploit and sampled texts; P(good > exploit) under mean - k std), and with ``--ppo-seeds`` the over-optimisation
+PPO runs against it (mean - 1 std), evaluated as the pipeline evaluates them. Written to
+``OUT/disagreement_study.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lit_rlhf import functional as F
+from lit_rlhf.demo import evaluate, world
+from lit_rlhf.demo.aggregation_study import table
+from lit_rlhf.demo.prior_study import (
+    STUDY,
+    Member,
+    evaluate_ensemble,
+    exploit_reviews,
+    export_ensemble,
+    good_reviews,
+    line,
+    ppo_runs,
+)
+from lit_rlhf.demo.stages import load_config
+from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer
+from lit_rlhf.modules import WarmupCosineLR
+
+MEMBERS = 3
+MAX_NEW_TOKENS = 32
+
+
+def unlabelled_texts(
+    out: Path, n: int, temperature: float, forced_share: float, min_new_tokens: int
+) -> tuple[list[str], dict]:
+    """``n`` SFT samples of the training prompts at ``temperature`` (prompt + response, + EOS where it stopped),
+    the last ``forced_share`` of them with the end of text barred for ``min_new_tokens`` tokens (texts longer
+    than any pair's: length is the first direction a reward model is exploited in, Singhal et al. 2023,
+    arXiv:2310.03716); and their grammatical share and share with more opinions than the grammar allows
+    (reported only, never used)."""
+    tokenizer = load_tokenizer(str(out / "sft"), padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
+    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:n]
+    forced_from = n - round(forced_share * n)
+    texts, responses = [], []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        for start in range(0, len(prompts), 256):
+            part = prompts[start : start + 256]
+            forced = {"min_new_tokens": min_new_tokens} if start >= forced_from else {}
+            enc = tokenizer(part, return_tensors="pt", padding=True)
+            ids = policy.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id, **forced)[
+                :, enc.input_ids.shape[1] :
+            ]  # fmt: skip
+            for prompt, row in zip(part, ids.tolist()):
+                ended = tokenizer.eos_token_id in row
+                response = tokenizer.decode(row, skip_special_tokens=True)
+                responses.append(prompt + response)
+                texts.append(prompt + response + (tokenizer.eos_token if ended else ""))
+    over = sum(r.count(" and ") + r.count(" but ") > world.MAX_OPINIONS for r in responses)
+    stats = {"n": len(texts), "grammatical": sum(map(world.is_grammatical, responses)) / len(texts),
+             "more_than_max_conjunctions": over / len(texts), "temperature": temperature,
+             "forced_share": forced_share, "min_new_tokens": min_new_tokens}  # fmt: skip
+    return texts, stats
+
+
+def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str], draw: int, alpha: float,
+                   target: float, steps: int) -> list[Member]:  # fmt: skip
+    """Three members (seeds 3d..3d+2) trained jointly: each its bootstrap Bradley-Terry loss, plus alpha times
+    ``functional.disagreement_loss`` of their scores of the step's pair texts and of 32 unlabelled texts."""
+    recipe = load_config("rm_weak", out, small=False)
+    init, batch_size = recipe["model"]["init_args"], recipe["data"]["init_args"]["batch_size"]
+    eos, seeds = tokenizer.eos_token, [3 * draw + k for k in range(MEMBERS)]
+    members = [
+        build_score_model(ModelSpec(name_or_path=str(out / "sft"), seed=s), tokenizer).train() for s in seeds
+    ]
+    params = [p for m in members for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, **init["optimizer"]["init_args"])
+    scheduler = WarmupCosineLR(optimizer, total_steps=steps, **init["scheduler"]["init_args"])
+    generator = torch.Generator().manual_seed(draw)
+    order = torch.randperm(len(pairs), generator=generator).tolist()
+    u_order = torch.randperm(len(unlabelled), generator=generator).tolist()
+    for step in range(steps):
+        rows = [order[(step * batch_size + i) % len(order)] for i in range(batch_size)]
+        u_rows = [u_order[(step * batch_size + i) % len(u_order)] for i in range(batch_size)]
+        texts = [pairs[r]["prompt"] + pairs[r][side] + eos for side in ("chosen", "rejected") for r in rows]
+        enc = tokenizer(texts + [unlabelled[r] for r in u_rows], return_tensors="pt", padding=True)
+        scores = torch.stack([Member(m, None, 0.0)(enc["input_ids"], enc["attention_mask"]) for m in members])
+        labelled, free = scores[:, : 2 * batch_size], scores[:, 2 * batch_size :]  # (K, 2B), (K, B)
+        chosen, rejected = labelled.chunk(2, dim=1)  # (K, B), (K, B)
+        weights = F.poisson_bootstrap_weights(torch.tensor(rows), seeds)  # (K, B)
+        loss = sum(
+            F.pairwise_reward_loss(chosen[k], rejected[k], weights=weights[k])[0] for k in range(MEMBERS)
+        )
+        if alpha:
+            loss = loss + alpha * F.disagreement_loss(labelled, free, target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for m in members:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+    return [Member(m.eval(), None, 0.0) for m in members]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="a finished demo folder")
+    parser.add_argument("--coefs", default="0,1", help="comma-separated disagreement weights alpha (0: none)")
+    parser.add_argument("--draws", default="0,1", help="comma-separated draws d (member seeds 3d..3d+2)")
+    parser.add_argument("--target", type=float, default=1.0, help="the spread asked for on unlabelled texts")
+    parser.add_argument(
+        "--temperature", type=float, default=1.5, help="sampling temperature of unlabelled texts"
+    )
+    parser.add_argument("--unlabelled", type=int, default=2048, help="unlabelled texts")
+    parser.add_argument("--forced-share", type=float, default=0.0, help="share of unlabelled texts made long")
+    parser.add_argument("--min-new-tokens", type=int, default=18, help="their length floor in tokens")
+    parser.add_argument("--steps", type=int, default=150, help="optimiser steps (rm_weak.yaml: 150)")
+    parser.add_argument("--texts", type=int, default=300, help="texts per set (good, exploit, sampled)")
+    parser.add_argument("--pairs", type=int, default=2400, help="training pairs (rm_weak.yaml: 2,400)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--ppo-seeds", default="", help="comma-separated seeds of the over-optimisation PPO "
+                        "run against each ensemble (default: none); needs --threads")  # fmt: skip
+    parser.add_argument("--small", action="store_true", help="the folder is a `--small` pipeline run")
+    args = parser.parse_args(argv)
+    try:
+        coefs = [float(c) for c in args.coefs.split(",")]
+        draws = [int(d) for d in args.draws.split(",")]
+        ppo_seeds = [int(s) for s in args.ppo_seeds.split(",")] if args.ppo_seeds else []
+    except ValueError:
+        parser.error(f"--coefs {args.coefs!r}, --draws {args.draws!r}, --ppo-seeds: comma-separated numbers")
+    if min(coefs + draws) < 0 or args.target <= 0 or args.temperature <= 0 or not 0 <= args.forced_share <= 1:
+        parser.error(
+            "--coefs and --draws must be >= 0, --target and --temperature > 0, --forced-share in [0, 1]"
+        )
+    if min(args.unlabelled, args.steps, args.texts, args.pairs, args.min_new_tokens) < 1:
+        parser.error("--unlabelled, --steps, --texts, --pairs and --min-new-tokens must be >= 1")
+    if args.min_new_tokens > MAX_NEW_TOKENS:
+        parser.error(
+            f"--min-new-tokens {args.min_new_tokens}: at most the samples' {MAX_NEW_TOKENS} new tokens"
+        )
+    if not (args.out / "sft").is_dir() or not (args.out / "report.json").is_file():
+        parser.error(f"--out {args.out}: no sft/ or report.json: run the demo pipeline first")
+    if ppo_seeds and not args.threads:
+        parser.error("--ppo-seeds needs --threads (the runs depend on it)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(str(args.out / "sft"))
+    pairs = evaluate.read_jsonl(args.out / "assets" / "prefs_train.jsonl")[: args.pairs]
+    val = evaluate.read_jsonl(args.out / "assets" / "prefs_val.jsonl")
+    unlabelled, stats = unlabelled_texts(
+        args.out, args.unlabelled, args.temperature, args.forced_share, args.min_new_tokens
+    )
+    print(f"unlabelled texts: {stats}", flush=True)
+    rng = random.Random(0)
+    sets = {"good": good_reviews(rng, args.texts), "exploit": exploit_reviews(rng, args.texts),
+            "sampled": [world.sample_review(rng) for _ in range(args.texts)]}  # fmt: skip
+    results = []
+    for draw in draws:
+        for alpha in coefs:
+            members = train_ensemble(
+                args.out, tokenizer, pairs, unlabelled, draw, alpha, args.target, args.steps
+            )
+            results.append({"draw": draw, "alpha": alpha, "target": args.target, "unlabelled": stats,
+                            **evaluate_ensemble(members, tokenizer, sets, val)})  # fmt: skip
+            print(line(draw, alpha, results[-1]), flush=True)
+            if ppo_seeds:
+                name = f"disagree{alpha:g}_t{args.target:g}_f{args.forced_share:g}_draw{draw}"
+                export_ensemble(members, tokenizer, args.out / STUDY / name)
+                results[-1]["ppo"] = ppo_runs(
+                    args.out, args.out / STUDY / name, name, ppo_seeds, args.threads, args.small
+                )
+                print(table({f"alpha {alpha:g}, draw {draw}": results[-1]["ppo"]}, args.threads), flush=True)
+    (args.out / "disagreement_study.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
