@@ -649,6 +649,16 @@ def test_disagreement_study_on_the_small_run(small_run, capsys):
         assert r["unlabelled"]["n"] == 8 and r["unlabelled"]["forced_share"] == 0.5
     assert json.loads((out / "disagreement_study.json").read_text()) == json.loads(json.dumps(results))
     assert "unlabelled texts:" in capsys.readouterr().out
+    # the product's path: RewardEnsembleModule(disagreement=...) fitted by lit-rlhf, PPO against its export
+    results = disagreement_study.main([*argv[:2], "--coefs", "1", "--draws", "0", "--unlabelled", "8", "--threads", "1",
+                                       "--module", "--ppo-seeds", "0", "--small"])  # fmt: skip
+    folder = out / "prior_study" / "module_disagree1_t1_draw0"
+    manifest = json.loads((folder / "ensemble.json").read_text())
+    assert manifest["seeds"] == [0, 1, 2] and manifest["disagreement"]["texts"].endswith("unlabelled.jsonl")
+    assert len(evaluate.read_jsonl(out / "prior_study" / "unlabelled.jsonl")) == 8
+    entry = results[0]["ppo"]
+    assert results[0]["module"] and [r["run"] for r in entry["seeds"]] == ["module_disagree1_t1_draw0_t1_seed0"]
+    assert "module, alpha 1, draw 0" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

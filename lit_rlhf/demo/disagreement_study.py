@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from lit_rlhf import functional as F
 from lit_rlhf.demo import evaluate, world
 from lit_rlhf.demo.aggregation_study import table
+from lit_rlhf.demo.overoptimization import final_policy, source_entry
 from lit_rlhf.demo.prior_study import (
     STUDY,
     Member,
@@ -39,9 +40,10 @@ from lit_rlhf.demo.prior_study import (
     line,
     ppo_runs,
 )
-from lit_rlhf.demo.stages import load_config
+from lit_rlhf.demo.stages import StageRunner, export_dir, load_config, name_run
 from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer
 from lit_rlhf.modules import WarmupCosineLR
+from lit_rlhf.rollout import GenerationSettings
 
 MEMBERS = 3
 MAX_NEW_TOKENS = 32
@@ -59,24 +61,30 @@ def unlabelled_texts(
     policy = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:n]
     forced_from = n - round(forced_share * n)
-    texts, responses = [], []
+    segments = ((0, forced_from, {}), (forced_from, len(prompts), {"min_new_tokens": min_new_tokens}))
+    texts, full = [], []
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(1)
-        for start in range(0, len(prompts), 256):
-            part = prompts[start : start + 256]
-            forced = {"min_new_tokens": min_new_tokens} if start >= forced_from else {}
-            enc = tokenizer(part, return_tensors="pt", padding=True)
-            ids = policy.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                  max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id, **forced)[
-                :, enc.input_ids.shape[1] :
-            ]  # fmt: skip
-            for prompt, row in zip(part, ids.tolist()):
-                ended = tokenizer.eos_token_id in row
-                response = tokenizer.decode(row, skip_special_tokens=True)
-                responses.append(prompt + response)
-                texts.append(prompt + response + (tokenizer.eos_token if ended else ""))
-    over = sum(r.count(" and ") + r.count(" but ") > world.MAX_OPINIONS for r in responses)
-    stats = {"n": len(texts), "grammatical": sum(map(world.is_grammatical, responses)) / len(texts),
+        for begin, end, forced in segments:
+            for start in range(begin, end, 256):
+                part = prompts[start : min(start + 256, end)]
+                enc = tokenizer(part, return_tensors="pt", padding=True)
+                ids = policy.generate(
+                    **enc,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **forced,
+                )
+                for prompt, row in zip(part, ids[:, enc.input_ids.shape[1] :].tolist()):
+                    text = prompt + tokenizer.decode(row, skip_special_tokens=True)
+                    full.append(text)
+                    texts.append(text + (tokenizer.eos_token if tokenizer.eos_token_id in row else ""))
+    over = sum(r.count(" and ") + r.count(" but ") > world.MAX_OPINIONS for r in full)
+    stats = {"n": len(texts), "grammatical": sum(map(world.is_grammatical, full)) / len(texts),
              "more_than_max_conjunctions": over / len(texts), "temperature": temperature,
              "forced_share": forced_share, "min_new_tokens": min_new_tokens}  # fmt: skip
     return texts, stats
@@ -121,6 +129,52 @@ def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str
     return [Member(m.eval(), None, 0.0) for m in members]
 
 
+def write_texts(texts: list[str], path: Path) -> Path:
+    """The unlabelled texts as ``{"text": ...}`` lines (what ``RewardEnsembleModule(disagreement=...)`` reads),
+    written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    partial.replace(path)
+    return path
+
+
+def module_runs(out: Path, texts: Path, draw: int, alpha: float, target: float, seeds: list[int], threads: int,
+                small: bool = False) -> dict:  # fmt: skip
+    """The product's path: ``rm_weak_ensemble.yaml`` (``RewardEnsembleModule``, member seeds 3d..3d+2, bootstrap)
+    with ``disagreement: {texts, coef: alpha, target}`` fitted with ``lit-rlhf``, then the over-optimisation PPO
+    of ``ppo_overoptimize_ensemble.yaml`` against its export (mean - 1 std) per seed, evaluated as the pipeline
+    evaluates; returns :func:`lit_rlhf.demo.overoptimization.source_entry` of the final policies."""
+    report = json.loads((out / "report.json").read_text())
+    sft = {"gold_mean": report["sft_gold_mean"], "gold_std": report["sft_gold_std"]}
+    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
+    generation = GenerationSettings(
+        max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE
+    )
+    runner, study = StageRunner(out / STUDY), out / STUDY
+    name = f"module_disagree{alpha:g}_t{target:g}_draw{draw}"
+    rm = name_run(load_config("rm_weak_ensemble", out, small), name, 3 * draw, (), study)
+    init = rm["model"]["init_args"]
+    init["seeds"] = [3 * draw + k for k in range(MEMBERS)]
+    if alpha:
+        init["disagreement"] = {"texts": str(texts.resolve()), "coef": alpha, "target": target}
+    rm["trainer"]["logger"]["init_args"]["save_dir"] = str(study / "tb")
+    runner.fit(name, rm, salt=f"threads={threads}")
+    rows = []
+    for seed in seeds:
+        config = load_config("ppo_overoptimize_ensemble", out, small)
+        config["model"]["init_args"]["reward_model"]["ensemble"] = str((study / name).resolve())
+        run = f"{name}_t{threads}_seed{seed}"
+        config = name_run(config, run, seed, ("rng_seed",), study)
+        config["trainer"]["logger"]["init_args"]["save_dir"] = str(study / "tb")
+        runner.fit(run, config, (name,), salt=f"threads={threads}")
+        samples = evaluate.sample_policy(Path(export_dir(config)) / "actor", prompts, generation,
+                                         reference_dir=out / "sft", reward_model_dir=out / "rm_weak",
+                                         batch_size=64 if small else 256)  # fmt: skip
+        rows.append({"seed": seed, "run": run, **final_policy(evaluate.summarize(samples), sft)})
+    return source_entry(rows)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="a finished demo folder")
@@ -140,6 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ppo-seeds", default="", help="comma-separated seeds of the over-optimisation PPO "
                         "run against each ensemble (default: none); needs --threads")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="the folder is a `--small` pipeline run")
+    parser.add_argument("--module", action="store_true", help="train each ensemble with RewardEnsembleModule("
+                        "disagreement=...) through lit-rlhf (rm_weak_ensemble.yaml) instead of the study's loop")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         coefs = [float(c) for c in args.coefs.split(",")]
@@ -159,8 +215,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     if not (args.out / "sft").is_dir() or not (args.out / "report.json").is_file():
         parser.error(f"--out {args.out}: no sft/ or report.json: run the demo pipeline first")
-    if ppo_seeds and not args.threads:
-        parser.error("--ppo-seeds needs --threads (the runs depend on it)")
+    if (ppo_seeds or args.module) and not args.threads:
+        parser.error("--ppo-seeds and --module need --threads (the runs depend on it)")
+    if args.module and not ppo_seeds:
+        parser.error("--module needs --ppo-seeds (what it measures is the PPO runs)")
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(str(args.out / "sft"))
@@ -173,8 +231,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = random.Random(0)
     sets = {"good": good_reviews(rng, args.texts), "exploit": exploit_reviews(rng, args.texts),
             "sampled": [world.sample_review(rng) for _ in range(args.texts)]}  # fmt: skip
+    texts_path = write_texts(unlabelled, args.out / STUDY / "unlabelled.jsonl")
     results = []
     for draw in draws:
+        if args.module:
+            for alpha in coefs:
+                entry = module_runs(
+                    args.out, texts_path, draw, alpha, args.target, ppo_seeds, args.threads, args.small
+                )
+                results.append(
+                    {"draw": draw, "alpha": alpha, "target": args.target, "module": True, "ppo": entry}
+                )
+                print(table({f"module, alpha {alpha:g}, draw {draw}": entry}, args.threads), flush=True)
+            continue
         for alpha in coefs:
             members = train_ensemble(
                 args.out, tokenizer, pairs, unlabelled, draw, alpha, args.target, args.steps

@@ -7,7 +7,8 @@
 Metric names: ``{stage}/loss`` (the mean of the members' losses), ``{stage}/accuracy``, ``{stage}/margin``
 and the score statistics of :class:`~lit_rlhf.modules.reward_model.RewardModelModule`, of the ensemble's
 aggregated score; ``{stage}/member_<k>/accuracy`` of each member; ``{stage}/ensemble_std``, the members'
-mean spread on the pairs' responses.
+mean spread on the pairs' responses; with ``disagreement``, ``train/disagreement`` (the term) and
+``train/unlabelled_std`` (the members' mean spread on the step's unlabelled texts).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from lit_rlhf import functional as F
 from lit_rlhf.batching import Bucketing, sequence_micro_batches
 from lit_rlhf.data.contract import check_batch
 from lit_rlhf.ensembles import write_ensemble_manifest
-from lit_rlhf.models import ModelSpec, build_score_model, export_pretrained, sequence_scores
+from lit_rlhf.models import ModelSpec, build_score_model, check_positions, export_pretrained, sequence_scores
 from lit_rlhf.modules.base import plain_hparams
+from lit_rlhf.modules.disagreement import Disagreement, UnlabelledTexts
 from lit_rlhf.modules.distributed import gather_for_export, shard_models
 from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
@@ -73,6 +75,10 @@ class RewardEnsembleModule(SingleModelModule):
         use_margin: subtract the batch's ``margin`` column when the data has one.
         bucketing: length-bucketed micro-batches (``lit_rlhf.batching.Bucketing`` or a dict of its fields),
             as in ``RewardModelModule``.
+        disagreement: members that agree on the pairs and disagree on unlabelled texts
+            (:class:`~lit_rlhf.modules.disagreement.Disagreement` or a dict of its fields: ``texts``, a .jsonl
+            file, ``coef``, ``target``, ...; D-BAT, Pagliardini et al. 2023): the members' spread grows where no
+            pair constrains them, which mean - k std then penalises. None (default) = off.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class RewardEnsembleModule(SingleModelModule):
         center_rewards_coef: float = 0.0,
         use_margin: bool = True,
         bucketing: Bucketing | None = None,
+        disagreement: Disagreement | None = None,
     ) -> None:
         super().__init__()
         spec = ModelSpec.coerce(model, "model")
@@ -95,6 +102,13 @@ class RewardEnsembleModule(SingleModelModule):
         bucketing = self.set_bucketing(bucketing)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(spec, self.build_members, optimizer, scheduler)
+        self.unlabelled = None
+        if disagreement is not None:
+            settings = Disagreement.coerce(disagreement, f"{type(self).__name__}: disagreement")
+            self.unlabelled = UnlabelledTexts(settings, self.tokenizer)  # read and tokenised once, here
+            longest = max(map(len, self.unlabelled.ids))
+            check_positions(self.model[0], longest, type(self).__name__, f"the unlabelled texts of {settings.texts}"
+                            " (cut them with disagreement.max_length)")  # fmt: skip
         plain_hparams(self, seeds=self.seeds)  # as resolved
         self.metrics = torch.nn.ModuleDict(
             {f"{s}_metrics": self.stage_metrics() for s in ("train", "val", "test")}
@@ -151,7 +165,15 @@ class RewardEnsembleModule(SingleModelModule):
                 loss = loss + hp.center_rewards_coef * center
             losses.append(loss)
         losses = torch.stack(losses)  # (K,)
-        # 3. Metrics of the ensemble's aggregated score, of each member, and of the members' spread.
+        total = losses.sum()
+        if self.unlabelled is not None and stage == "train":  # 3. agree on the pairs, disagree off them
+            step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored on resume
+            term, free = self.disagreement_term(scores, step, self.global_rank, self.trainer.world_size)
+            weight = row_weight(free.shape[1])
+            self.log("train/disagreement", term, sync_dist=True, batch_size=weight)
+            self.log("train/unlabelled_std", F.ensemble_std(free.detach()).mean(), sync_dist=True, batch_size=weight)
+            total = total + self.unlabelled.settings.coef * term
+        # 4. Metrics of the ensemble's aggregated score, of each member, and of the members' spread.
         metrics = self.metrics[f"{stage}_metrics"]
         aggregate = F.aggregate_ensemble(scores.detach(), hp.aggregation, hp.coef)  # (2B,)
         metrics["pairs"].update(*aggregate.chunk(2))
@@ -160,7 +182,17 @@ class RewardEnsembleModule(SingleModelModule):
         metrics["spread"].update(F.ensemble_std(scores.detach()))
         self.log(f"{stage}/loss", losses.mean(), prog_bar=stage != "test", sync_dist=True,
                  batch_size=row_weight(chosen.shape[1]))  # fmt: skip
-        return losses.sum()
+        return total
+
+    def disagreement_term(
+        self, scores: torch.Tensor, step: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``functional.disagreement_loss`` of the members' (K, 2B) ``scores`` of a step's pair texts and of the
+        unlabelled texts of training step ``step`` on ``rank`` (a function of both: a resumed fit draws as an
+        uninterrupted one); returns the () term and the (K, U) scores of the unlabelled texts."""
+        input_ids, attention_mask = (t.to(scores.device) for t in self.unlabelled.batch(step, rank, world_size))
+        free = torch.stack(self.per_row(self.member_scores, attention_mask, input_ids, attention_mask))  # (K, U)
+        return F.disagreement_loss(scores, free, self.unlabelled.settings.target), free
 
     def member_scores(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -233,8 +265,9 @@ class RewardEnsembleModule(SingleModelModule):
                 written = True
         if written:
             hp = self.hparams
+            extra = {} if self.unlabelled is None else {"disagreement": self.unlabelled.settings.as_dict()}
             write_ensemble_manifest(
-                folder, names, hp.aggregation, hp.coef, seeds=self.seeds, bootstrap=hp.bootstrap
+                folder, names, hp.aggregation, hp.coef, seeds=self.seeds, bootstrap=hp.bootstrap, **extra
             )
 
 
