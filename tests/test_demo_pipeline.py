@@ -28,7 +28,8 @@ ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "-
 # --ensemble: both ensembles' members and every reward source's run for every seed
 ENSEMBLE = {"rm_weak_ensemble", "sft_seed1", "sft_seed2", "rm_weak_sft1", "rm_weak_sft2", "ppo_overoptimize_ensemble",
             "ppo_overoptimize_pretrain_ensemble", "ppo_overoptimize_seed1", "ppo_overoptimize_ensemble_seed1",
-            "ppo_overoptimize_pretrain_ensemble_seed1"}  # fmt: skip
+            "ppo_overoptimize_pretrain_ensemble_seed1", "rm_weak_disagreement_ensemble",
+            "ppo_overoptimize_disagreement_ensemble", "ppo_overoptimize_disagreement_ensemble_seed1"}  # fmt: skip
 SWEEP = {"ppo_overoptimize_kl0.1", "ppo_overoptimize_kl0.01", "ppo_overoptimize_kl0.1_seed1", "ppo_overoptimize_kl0.01_seed1"}
 
 
@@ -46,7 +47,8 @@ def test_small_pipeline_writes_the_report(small_run):
     for name in ("report.md", "report.json", "samples.md", "ppo_reward_vs_kl.png", "rm_accuracy.png",
                  "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png",
                  "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png",
-                 "overoptimize_kl_sweep.png", "ppo_overoptimize_pretrain_ensemble_reward_vs_kl.png"):  # fmt: skip
+                 "overoptimize_kl_sweep.png", "ppo_overoptimize_pretrain_ensemble_reward_vs_kl.png",
+                 "ppo_overoptimize_disagreement_ensemble_reward_vs_kl.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
@@ -176,9 +178,10 @@ def test_pretrain_ensemble_members_have_their_own_backbones_and_every_source_run
     scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_pretrain_ensemble_seed1")
     assert {"rollout/ensemble_std", "rollout/reward/member_0", "rollout/reward/member_2"} <= set(scalars)
     sources = summary["overoptimize_sources"]
-    assert list(sources) == ["single", "finetune_ensemble", "pretrain_ensemble"]
+    assert list(sources) == ["single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble"]
     base = {"single": "ppo_overoptimize", "finetune_ensemble": "ppo_overoptimize_ensemble",
-            "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble"}  # fmt: skip
+            "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble",
+            "disagreement_ensemble": "ppo_overoptimize_disagreement_ensemble"}  # fmt: skip
     for source, entry in sources.items():
         assert [(r["seed"], r["run"]) for r in entry["seeds"]] == [(0, base[source]), (1, f"{base[source]}_seed1")]
         config = yaml.safe_load((out / "configs" / f"{base[source]}_seed1.yaml").read_text())
@@ -189,6 +192,26 @@ def test_pretrain_ensemble_members_have_their_own_backbones_and_every_source_run
             assert row["collapsed"] == (row["gold_mean"] <= -5.0)
         assert entry["collapsed"] == sum(r["collapsed"] for r in entry["seeds"])
     assert "- Final policies, pretrain_ensemble: seed 0: gold" in (out / "report.md").read_text()
+
+
+def test_the_disagreement_ensemble_trains_on_the_sft_policys_unlabelled_texts(small_run):
+    from lit_rlhf.demo import ensemble_runs
+
+    out, summary, _ = small_run
+    texts = evaluate.read_jsonl(out / ensemble_runs.DISAGREEMENT_TEXTS)
+    assert len(texts) == ensemble_runs.SMALL_TEXTS and all(r["text"].strip() for r in texts)
+    config = yaml.safe_load((out / "configs" / "rm_weak_disagreement_ensemble.yaml").read_text())
+    init = config["model"]["init_args"]
+    assert init["disagreement"]["texts"] == str(out / ensemble_runs.DISAGREEMENT_TEXTS)
+    assert init["seeds"] == [0, 1, 2] and init["bootstrap"] is True  # the fine-tune ensemble's members
+    assert config["data"] == yaml.safe_load((out / "configs" / "rm_weak_ensemble.yaml").read_text())["data"]
+    manifest = json.loads((out / "rm_weak_disagreement_ensemble" / "ensemble.json").read_text())
+    assert manifest["disagreement"]["target"] == 1.0
+    assert len(summary["rm_weak_disagreement_ensemble_member_accuracies"]) == 3
+    scalars = report.read_scalars(out / "tb" / "rm_weak_disagreement_ensemble")
+    assert {"train/disagreement", "train/unlabelled_std"} <= set(scalars)
+    ppo = yaml.safe_load((out / "configs" / "ppo_overoptimize_disagreement_ensemble_seed1.yaml").read_text())
+    assert ppo["model"]["init_args"]["reward_model"]["ensemble"] == str(out / "rm_weak_disagreement_ensemble")
 
 
 def test_ensemble_without_the_overoptimisation_run_is_a_usage_error(tmp_path, capsys):
@@ -510,7 +533,7 @@ def test_member_agreement_by_hand_and_on_the_small_run(small_run, tmp_path):
     assert member_agreement.agreement(scores) == {"mean": 3.0, "spread": 1.0, "mean_minus_spread": 2.0}
     out, *_ = small_run
     result = member_agreement.main(["--out", str(out), "--prompts", "4"])
-    assert set(result) == {"sft", "single", "finetune_ensemble", "pretrain_ensemble"}
+    assert set(result) == {"sft", "single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble"}
     for entry in result.values():
         assert entry["n_texts"] == 4 and 0.0 <= entry["grammatical"] <= 1.0
         for family in member_agreement.FAMILIES:
@@ -621,12 +644,12 @@ def test_prior_study_bad_arguments_are_usage_errors(args, message, tmp_path, cap
 def test_disagreement_study_on_the_small_run(small_run, capsys):
     """Unlabelled SFT samples, the last share kept from ending early; members trained with and without the
     disagreement term differ; the study's figures and report."""
-    from lit_rlhf.demo import disagreement_study
+    from lit_rlhf.demo import disagreement_study, unlabelled
     from lit_rlhf.models import load_tokenizer
 
     out, *_ = small_run
     tokenizer = load_tokenizer(str(out / "sft"))
-    texts, stats = disagreement_study.unlabelled_texts(out, 8, 1.5, forced_share=0.5, min_new_tokens=6)
+    texts, stats = unlabelled.unlabelled_texts(out, 8, 1.5, forced_share=0.5, min_new_tokens=6)
     assert len(texts) == stats["n"] == 8 and 0.0 <= stats["grammatical"] <= 1.0
     prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:8]
     for i, (prompt, text) in enumerate(zip(prompts, texts)):

@@ -14,6 +14,7 @@ import yaml
 
 from lit_rlhf.demo import (
     assets,
+    ensemble_runs,
     kl_sweep,
     overoptimization,
     pipeline,
@@ -39,6 +40,8 @@ def fits(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(stages, "fit_here", fake_fit)
     monkeypatch.setattr(stages, "fit_in_child", fake_fit)
+    # the disagreement ensemble's texts are sampled from the SFT export, which a stand-in fit does not write
+    monkeypatch.setattr(ensemble_runs, "write_disagreement_texts", lambda out, n: None)
     return fitted
 
 

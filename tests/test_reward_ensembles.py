@@ -52,12 +52,12 @@ def preference_data(tiny: Path, **kw) -> PreferenceDataModule:
 
 
 def fit(
-    module: LightningModule, data: LightningDataModule, root: Path, export: Path | None = None
+    module: LightningModule, data: LightningDataModule, root: Path, export: Path | None = None, **kw
 ) -> Trainer:
     run = Trainer(
         default_root_dir=root, max_steps=3, logger=CSVLogger(root, name="rm"), enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1, num_sanity_val_steps=0,
-        callbacks=[HFExport(str(export))] if export else [], deterministic=True,
+        callbacks=[HFExport(str(export))] if export else [], deterministic=True, **kw,
     )  # fmt: skip
     run.fit(module, data)
     return run
@@ -125,6 +125,23 @@ def test_three_members_train_export_and_reload_to_score_as_the_members_do(tiny_d
     fit(single, preference_data(tiny_data_dir), tmp_path / "single")
     for (name, a), b in zip(single.model.state_dict().items(), module.model[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_clips_each_member_as_it_would_be_alone(tiny_data_dir, tmp_path, algorithm):
+    # a clip small enough to bind every step: the members' joint norm would clip each member by another factor
+    tok = f"{tiny_data_dir}/tokenizer"
+    clip = {"gradient_clip_val": 0.01, "gradient_clip_algorithm": algorithm}
+    module = RewardEnsembleModule({"config": TINY, "tokenizer": tok}, num_members=2, optimizer=adamw(1e-3),
+                                  scheduler=None)  # fmt: skip
+    fit(module, preference_data(tiny_data_dir), tmp_path / "ensemble", **clip)
+    for k in range(2):
+        single = RewardModelModule(
+            {"config": TINY, "tokenizer": tok, "seed": k}, optimizer=adamw(1e-3), scheduler=None
+        )
+        fit(single, preference_data(tiny_data_dir), tmp_path / f"single{k}", **clip)
+        for (name, a), b in zip(single.model.state_dict().items(), module.model[k].state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"member {k}: {name}")
 
 
 def test_bootstrap_weights_each_members_loss(tiny_data_dir):

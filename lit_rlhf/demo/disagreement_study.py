@@ -24,7 +24,6 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from lit_rlhf import functional as F
 from lit_rlhf.demo import evaluate, world
@@ -41,53 +40,20 @@ from lit_rlhf.demo.prior_study import (
     ppo_runs,
 )
 from lit_rlhf.demo.stages import StageRunner, export_dir, load_config, name_run
+from lit_rlhf.demo.unlabelled import (
+    FORCED_SHARE,
+    MAX_NEW_TOKENS,
+    MIN_NEW_TOKENS,
+    N_TEXTS,
+    TEMPERATURE,
+    unlabelled_texts,
+    write_texts,
+)
 from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer
 from lit_rlhf.modules import WarmupCosineLR
 from lit_rlhf.rollout import GenerationSettings
 
 MEMBERS = 3
-MAX_NEW_TOKENS = 32
-
-
-def unlabelled_texts(
-    out: Path, n: int, temperature: float, forced_share: float, min_new_tokens: int
-) -> tuple[list[str], dict]:
-    """``n`` SFT samples of the training prompts at ``temperature`` (prompt + response, + EOS where it stopped),
-    the last ``forced_share`` of them with the end of text barred for ``min_new_tokens`` tokens (texts longer
-    than any pair's: length is the first direction a reward model is exploited in, Singhal et al. 2023,
-    arXiv:2310.03716); and their grammatical share and share with more opinions than the grammar allows
-    (reported only, never used)."""
-    tokenizer = load_tokenizer(str(out / "sft"), padding_side="left")
-    policy = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
-    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:n]
-    forced_from = n - round(forced_share * n)
-    segments = ((0, forced_from, {}), (forced_from, len(prompts), {"min_new_tokens": min_new_tokens}))
-    texts, full = [], []
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(1)
-        for begin, end, forced in segments:
-            for start in range(begin, end, 256):
-                part = prompts[start : min(start + 256, end)]
-                enc = tokenizer(part, return_tensors="pt", padding=True)
-                ids = policy.generate(
-                    **enc,
-                    do_sample=True,
-                    temperature=temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=MAX_NEW_TOKENS,
-                    pad_token_id=tokenizer.pad_token_id,
-                    **forced,
-                )
-                for prompt, row in zip(part, ids[:, enc.input_ids.shape[1] :].tolist()):
-                    text = prompt + tokenizer.decode(row, skip_special_tokens=True)
-                    full.append(text)
-                    texts.append(text + (tokenizer.eos_token if tokenizer.eos_token_id in row else ""))
-    over = sum(r.count(" and ") + r.count(" but ") > world.MAX_OPINIONS for r in full)
-    stats = {"n": len(texts), "grammatical": sum(map(world.is_grammatical, full)) / len(texts),
-             "more_than_max_conjunctions": over / len(texts), "temperature": temperature,
-             "forced_share": forced_share, "min_new_tokens": min_new_tokens}  # fmt: skip
-    return texts, stats
 
 
 def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str], draw: int, alpha: float,
@@ -127,16 +93,6 @@ def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str
         optimizer.step()
         scheduler.step()
     return [Member(m.eval(), None, 0.0) for m in members]
-
-
-def write_texts(texts: list[str], path: Path) -> Path:
-    """The unlabelled texts as ``{"text": ...}`` lines (what ``RewardEnsembleModule(disagreement=...)`` reads),
-    written whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    partial.replace(path)
-    return path
 
 
 def module_runs(out: Path, texts: Path, draw: int, alpha: float, target: float, seeds: list[int], threads: int,
@@ -182,11 +138,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--draws", default="0,1", help="comma-separated draws d (member seeds 3d..3d+2)")
     parser.add_argument("--target", type=float, default=1.0, help="the spread asked for on unlabelled texts")
     parser.add_argument(
-        "--temperature", type=float, default=1.5, help="sampling temperature of unlabelled texts"
+        "--temperature", type=float, default=TEMPERATURE, help="sampling temperature of unlabelled texts"
     )
-    parser.add_argument("--unlabelled", type=int, default=2048, help="unlabelled texts")
-    parser.add_argument("--forced-share", type=float, default=0.0, help="share of unlabelled texts made long")
-    parser.add_argument("--min-new-tokens", type=int, default=18, help="their length floor in tokens")
+    parser.add_argument("--unlabelled", type=int, default=N_TEXTS, help="unlabelled texts")
+    parser.add_argument(
+        "--forced-share", type=float, default=FORCED_SHARE, help="share of unlabelled texts made long"
+    )
+    parser.add_argument(
+        "--min-new-tokens", type=int, default=MIN_NEW_TOKENS, help="their length floor in tokens"
+    )
     parser.add_argument("--steps", type=int, default=150, help="optimiser steps (rm_weak.yaml: 150)")
     parser.add_argument("--texts", type=int, default=300, help="texts per set (good, exploit, sampled)")
     parser.add_argument("--pairs", type=int, default=2400, help="training pairs (rm_weak.yaml: 2,400)")

@@ -14,8 +14,13 @@ Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_we
   and their spread, which mean - std penalises, grows there. Runs
   ``ppo_overoptimize_pretrain_ensemble[_seed<s>]`` (``ppo_overoptimize_pretrain_ensemble.yaml``, its
   manifest written by :func:`write_pretrain_manifest`).
+- ``disagreement_ensemble``: the fine-tune ensemble's members (seeds, bootstrap) trained to agree on the
+  pairs and disagree on unlabelled text, samples of the SFT policy no pair covers (``rm_weak_disagreement_
+  ensemble.yaml``, ``RewardEnsembleModule(disagreement=...)``: D-BAT, Pagliardini et al. 2023,
+  arXiv:2202.04414; the texts from :mod:`lit_rlhf.demo.unlabelled`). Runs
+  ``ppo_overoptimize_disagreement_ensemble[_seed<s>]``.
 
-Both ensembles aggregate as mean - 1 std (Coste et al. 2024, arXiv:2310.02743). Each source's run has the
+The ensembles aggregate as mean - 1 std (Coste et al. 2024, arXiv:2310.02743). Each source's run has the
 weak KL penalty and learning rate of ``ppo_overoptimize.yaml`` and runs once per training seed of ``--seeds``
 (seed 0 is the run the report plots: the pipeline refuses --ensemble without it); the report's ``overoptimize_sources``
 (:func:`lit_rlhf.demo.overoptimization.sources_summary`) compares their final policies seed by seed.
@@ -27,19 +32,32 @@ import copy
 from pathlib import Path
 
 from lit_rlhf.demo.stages import StageRunner, load_config, name_run
+from lit_rlhf.demo.unlabelled import (
+    FORCED_SHARE,
+    MAX_NEW_TOKENS,
+    MIN_NEW_TOKENS,
+    N_TEXTS,
+    TEMPERATURE,
+    unlabelled_texts,
+    write_texts,
+)
 from lit_rlhf.ensembles import write_ensemble_manifest
 
 PRETRAIN_MEMBER_SEEDS = (1, 2)  # the members beyond the weak RM of the demo's own SFT backbone (seed 0)
 PRETRAIN_MANIFEST = "rm_weak_pretrain_ensemble"
+DISAGREEMENT_TEXTS = "rm_weak_disagreement_texts.jsonl"  # under OUT: rm_weak_disagreement_ensemble.yaml's texts
+SMALL_TEXTS = 32  # --small: unlabelled texts
 SOURCES = {  # source -> the config (and the seed-0 run name) of its PPO run
     "single": "ppo_overoptimize",
     "finetune_ensemble": "ppo_overoptimize_ensemble",
     "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble",
+    "disagreement_ensemble": "ppo_overoptimize_disagreement_ensemble",
 }
 _INPUTS = {
     "single": ("sft", "rm_weak"),
     "finetune_ensemble": ("sft", "rm_weak_ensemble"),
     "pretrain_ensemble": ("sft", "rm_weak", *[f"{stage}{k}" for k in PRETRAIN_MEMBER_SEEDS for stage in ("sft_seed", "rm_weak_sft")]),
+    "disagreement_ensemble": ("sft", "rm_weak_disagreement_ensemble"),
 }  # fmt: skip
 
 
@@ -68,7 +86,9 @@ def write_pretrain_manifest(out: Path) -> Path:
 
 
 def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> None:
-    """Both ensembles' members: ``rm_weak_ensemble``, and an SFT backbone and a weak RM per pretrain seed.
+    """The ensembles' members: ``rm_weak_ensemble``, an SFT backbone and a weak RM per pretrain seed, and
+    ``rm_weak_disagreement_ensemble`` on the SFT policy's unlabelled texts (sampled when that stage fits; its key
+    holds the SFT stage's and the sampling settings).
 
     ``salt`` is the main SFT stage's (the assets' arguments): the extra SFT backbones train on the same
     assets, so they re-run, like it, when those change."""
@@ -81,6 +101,15 @@ def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> 
         rm["model"]["init_args"]["model"].update(name_or_path=str(out / f"sft_seed{k}"), seed=k)
         runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))
     write_pretrain_manifest(out)
+    n = SMALL_TEXTS if small else N_TEXTS
+    runner.fit("rm_weak_disagreement_ensemble", load_config("rm_weak_disagreement_ensemble", out, small), ("sft",),
+               salt=f"texts={n},{TEMPERATURE},{FORCED_SHARE},{MIN_NEW_TOKENS},{MAX_NEW_TOKENS}",
+               before=lambda: write_disagreement_texts(out, n))  # fmt: skip
+
+
+def write_disagreement_texts(out: Path, n: int) -> Path:
+    """``OUT/rm_weak_disagreement_texts.jsonl``: ``n`` unlabelled SFT samples (:mod:`lit_rlhf.demo.unlabelled`)."""
+    return write_texts(unlabelled_texts(out, n)[0], out / DISAGREEMENT_TEXTS)
 
 
 def fit_runs(runner: StageRunner, out: Path, small: bool, seeds: list[int], check) -> None:

@@ -1,19 +1,23 @@
-"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, two ensembles'.
+"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, three ensembles'.
 
 Every run is PPO with the same weak, fixed KL penalty and learning rate, from the SFT policy; the proxy of
 ``ppo_overoptimize`` is the weak reward model (``rm_weak``), that of ``ppo_overoptimize_ensemble`` the mean
 minus one standard deviation of three weak reward models on one SFT backbone (``rm_weak_ensemble``), that of
 ``ppo_overoptimize_pretrain_ensemble`` the same aggregate of three weak reward models on SFT backbones
-pre-trained with three seeds (``rm_weak_pretrain_ensemble``; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
+pre-trained with three seeds (``rm_weak_pretrain_ensemble``), that of ``ppo_overoptimize_disagreement_ensemble``
+the same aggregate of three weak reward models trained to disagree off the pairs (``rm_weak_disagreement_
+ensemble``; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
 al. 2024, arXiv:2310.02743; Eisenstein et al. 2023, arXiv:2312.09244). Their final policies are evaluated
 like every other (the "proxy" of that evaluation is the single weak RM for all); the seed-0 training curves
 (gold and proxy per window of rollouts) are read as Gao et al. (2022, arXiv:2210.10760) read theirs: against
 sqrt(KL); with ``--seeds`` every source runs per seed and :func:`sources_summary` compares the final policies.
 
-Summary keys: ``overoptimize_<k>``, ``overoptimize_ensemble_<k>`` and ``overoptimize_pretrain_ensemble_<k>``
+Summary keys: ``overoptimize_<k>``, ``overoptimize_ensemble_<k>``, ``overoptimize_pretrain_ensemble_<k>`` and
+``overoptimize_disagreement_ensemble_<k>``
 (the evaluation summary of each seed-0 final policy), ``<prefix>_curve`` (:func:`~lit_rlhf.demo.curves.
 overoptimization_shape`), ``rm_weak_val_accuracy``, ``rm_weak_ensemble_member_accuracies``,
-``rm_weak_pretrain_ensemble_member_accuracies`` and ``overoptimize_sources`` (:func:`sources_summary`).
+``rm_weak_pretrain_ensemble_member_accuracies``, ``rm_weak_disagreement_ensemble_member_accuracies`` and
+``overoptimize_sources`` (:func:`sources_summary`).
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ RUNS = {
     "ppo_overoptimize": "overoptimize",
     "ppo_overoptimize_ensemble": "overoptimize_ensemble",
     "ppo_overoptimize_pretrain_ensemble": "overoptimize_pretrain_ensemble",
+    "ppo_overoptimize_disagreement_ensemble": "overoptimize_disagreement_ensemble",
 }
 LABELS = {
     "ppo_overoptimize": "single weak RM",
     "ppo_overoptimize_ensemble": "ensemble of 3 weak RMs on one SFT backbone (mean - std)",
     "ppo_overoptimize_pretrain_ensemble": "ensemble of 3 weak RMs on SFT backbones of 3 seeds (mean - std)",
+    "ppo_overoptimize_disagreement_ensemble": "ensemble of 3 weak RMs trained to disagree off the pairs (mean - std)",
 }
-_MEMBERS = {"overoptimize_ensemble": "rm_weak_ensemble", "overoptimize_pretrain_ensemble": PRETRAIN_MANIFEST}
+_MEMBERS = {
+    "overoptimize_ensemble": "rm_weak_ensemble",
+    "overoptimize_pretrain_ensemble": PRETRAIN_MANIFEST,
+    "overoptimize_disagreement_ensemble": "rm_weak_disagreement_ensemble",
+}
 HOLDS_SFT_STD = 1.0  # a final policy "holds" at a gold of at least SFT's mean + this many SFT std
 FLOOR_MARGIN = 1.0  # ... and "collapsed" at a gold within this of the world's floor (UNGRAMMATICAL_REWARD)
 
@@ -103,7 +113,7 @@ def plot_runs(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_gold, ax_proxy) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, color in zip(RUNS, ("tab:red", "tab:green", "tab:blue")):
+    for run, color in zip(RUNS, ("tab:red", "tab:green", "tab:blue", "tab:purple"), strict=True):
         if run not in curves:
             continue
         x = [max(kl, 0.0) ** 0.5 for kl in curves[run]["kl"]]
@@ -176,7 +186,8 @@ def console_lines(summary: dict) -> list[str]:
     """The console summary's lines of the over-optimisation runs."""
     lines = []
     for prefix, label in (("overoptimize", "over-optimisation"), ("overoptimize_ensemble", "ensemble"),
-                          ("overoptimize_pretrain_ensemble", "pretrain ensemble")):  # fmt: skip
+                          ("overoptimize_pretrain_ensemble", "pretrain ensemble"),
+                          ("overoptimize_disagreement_ensemble", "disagreement ensemble")):  # fmt: skip
         if f"{prefix}_gold_mean" not in summary:
             continue
         accuracy = (

@@ -24,8 +24,9 @@ Adding an algorithm to the side-by-side is writing ``configs/demo/<name>.yaml`` 
 The reward over-optimisation run (Gao et al. 2022; skipped with ``--no-overoptimize``) adds a weaker
 proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a weak, fixed KL penalty
 (``ppo_overoptimize.yaml``), whose gold and proxy rewards are plotted against the KL to the reference.
-``--ensemble`` adds two ensembles of three weak reward models trained on the same pairs, one on the one
-SFT backbone (``rm_weak_ensemble.yaml``), one on SFT backbones pre-trained with three seeds, and the same PPO
+``--ensemble`` adds three ensembles of three weak reward models trained on the same pairs, one on the one
+SFT backbone (``rm_weak_ensemble.yaml``), one on SFT backbones pre-trained with three seeds, one on the one
+backbone trained to disagree on unlabelled text (``rm_weak_disagreement_ensemble.yaml``), and the same PPO
 run against each one's mean minus one standard deviation (Coste et al. 2024), every source once per seed of
 ``--seeds`` (:mod:`lit_rlhf.demo.ensemble_runs`), plotted with the single weak model's run.
 ``--kl-sweep`` adds the over-optimisation run at each of those fixed KL coefficients, for each training seed,
@@ -172,11 +173,12 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         results[key] = {"summary": evaluate.summarize(rows), "rows": rows}
     for name in [n for n in ("rm", "rm_weak") if n in runner.records]:
         results[name] = evaluate.evaluate_reward_model(out / name, out / "assets" / "prefs_val.jsonl")
-    if "rm_weak_ensemble" in runner.records:
-        members = sorted((out / "rm_weak_ensemble").glob("member_*"))
-        results["rm_weak_ensemble"] = [
+    for name in [n for n in ("rm_weak_ensemble", "rm_weak_disagreement_ensemble") if n in runner.records]:
+        members = sorted((out / name).glob("member_*"))
+        results[name] = [
             evaluate.evaluate_reward_model(member, out / "assets" / "prefs_val.jsonl") for member in members
         ]
+    if "rm_weak_ensemble" in runner.records:
         results[ensemble_runs.PRETRAIN_MANIFEST] = [results["rm_weak"]] + [
             evaluate.evaluate_reward_model(out / f"rm_weak_sft{k}", out / "assets" / "prefs_val.jsonl")
             for k in ensemble_runs.PRETRAIN_MEMBER_SEEDS
@@ -262,8 +264,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--ensemble",
         action="store_true",
-        help="with the over-optimisation demo, also two weak-RM ensembles (3 members on one SFT backbone; 3 on"
-        " backbones of 3 seeds; mean - std) and the run against each source for every seed of --seeds (which"
+        help="with the over-optimisation demo, also three weak-RM ensembles (3 members on one SFT backbone; 3 on"
+        " backbones of 3 seeds; 3 trained to disagree off the pairs; mean - std) and the run against each source"
+        " for every seed of --seeds (which"
         " must include 0)",
     )
     parser.add_argument(

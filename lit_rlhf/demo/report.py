@@ -267,7 +267,7 @@ def _training_plots(out: Path, runs: dict) -> tuple[dict[str, Path], dict]:
         title = "PPO" if name == "ppo" else f"Over-optimisation: {overoptimization.LABELS[name]}, weak KL penalty"
         budget = KL_BUDGET if name == "ppo" else None
         plot_reward_vs_kl(curves[name], plots[name], title, kl_target(init), budget, sqrt_kl=name != "ppo")
-    if {"ppo_overoptimize_ensemble", "ppo_overoptimize_pretrain_ensemble"} & set(curves):
+    if (set(overoptimization.RUNS) - {"ppo_overoptimize"}) & set(curves):
         plots["overoptimize_runs"] = out / "overoptimize_single_vs_ensemble.png"
         overoptimization.plot_runs(curves, plots["overoptimize_runs"])
     plots["rm_accuracy"] = out / "rm_accuracy.png"

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,16 @@ SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
     "rm": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
     "rm_weak": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
     "rm_weak_ensemble": {"trainer": _TINY_TRAINER, "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}}},
+    "rm_weak_disagreement_ensemble": {
+        "trainer": _TINY_TRAINER,
+        "model": {"init_args": {"disagreement": {"batch_size": 8}}},
+        "data": {"init_args": {"batch_size": 8, "val_batch_size": 16}},
+    },
     "ppo": _TINY_PPO,
     "ppo_overoptimize": _TINY_PPO,
     "ppo_overoptimize_ensemble": _TINY_PPO,
     "ppo_overoptimize_pretrain_ensemble": _TINY_PPO,
+    "ppo_overoptimize_disagreement_ensemble": _TINY_PPO,
     "grpo": _TINY_GROUP,
     "rloo": _TINY_GROUP,
     "reinforce_pp": _TINY_PPO,
@@ -221,9 +228,11 @@ class StageRunner:
             (self.out / folder / f"{run}.json").unlink(missing_ok=True)
 
     def fit(
-        self, run: str, config: dict, inputs: tuple[str, ...] = (), *, subprocess_: bool = False, salt: str = ""
-    ) -> StageRecord:
-        """Fit ``config`` as stage ``run`` (reused if allowed), in a child process if ``subprocess_``."""
+        self, run: str, config: dict, inputs: tuple[str, ...] = (), *, subprocess_: bool = False, salt: str = "",
+        before: Callable[[], object] | None = None,
+    ) -> StageRecord:  # fmt: skip
+        """Fit ``config`` as stage ``run`` (reused if allowed), in a child process if ``subprocess_``; ``before``
+        (e.g. writing a data file the fit reads) is called first when the fit runs, not when it is reused."""
         import torch
 
         key, legacy = self.key(config, inputs, salt), self.legacy_key(config, inputs, salt)
@@ -235,6 +244,8 @@ class StageRunner:
             logger = config["trainer"]["logger"]["init_args"]
             log_dir = str(Path(logger["save_dir"]) / logger["name"])
             self.forget(run, log_dir)
+            if before is not None:
+                before()
             path = write_config(config, self.out, run)
             print(f"\n=== {run}: lit-rlhf fit --config {path}", flush=True)
             threads, start = torch.get_num_threads(), time.perf_counter()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Literal
 
 import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
@@ -198,6 +199,35 @@ def clip_grad_norm(
         model.clip_grad_norm_(max_norm)
     elif not clip_without_scaler(module, optimizer, max_norm):
         module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+
+def clip_each_model(
+    module: LightningModule,
+    optimizer: torch.optim.Optimizer,
+    models: Iterable[nn.Module],
+    clip_val: float | None,
+    algorithm: str | None = None,
+) -> bool:
+    """Clip the gradient of each of ``models`` on its own (its norm, or by value: ``algorithm``), as each would
+    be clipped trained alone; returns whether it did. It does not (False: clip as Lightning does) without a
+    positive ``clip_val``, under FSDP1 (the wrapped model's own ``clip_grad_norm_`` spans its shards) and under a
+    gradient scaler with an optimiser that unscales in its own step (the gradients here are still scaled:
+    Lightning refuses that clipping with its message). Elsewhere the gradients are the true ones at this point
+    (Lightning unscales before the clipping hook); under FSDP2 they are DTensors and ``clip_grad_norm_``
+    reduces each model's norm across ranks."""
+    trainer = _trainer(module)
+    plugin = None if trainer is None else trainer.precision_plugin
+    scaled = isinstance(plugin, MixedPrecision) and plugin.scaler is not None and _optimizer_handles_unscaling(optimizer)
+    if not clip_val or clip_val <= 0 or strategy_kind(trainer) == "fsdp1" or scaled:
+        return False
+    by_value = GradClipAlgorithmType(algorithm or "norm") == GradClipAlgorithmType.VALUE
+    for model in models:
+        grads = [p for p in model.parameters() if p.grad is not None]
+        if by_value:
+            torch.nn.utils.clip_grad_value_(grads, clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(grads, clip_val)
+    return True
 
 
 def clip_without_scaler(

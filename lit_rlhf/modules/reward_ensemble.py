@@ -30,7 +30,7 @@ from lit_rlhf.ensembles import write_ensemble_manifest
 from lit_rlhf.models import ModelSpec, build_score_model, check_positions, export_pretrained, sequence_scores
 from lit_rlhf.modules.base import plain_hparams
 from lit_rlhf.modules.disagreement import Disagreement, UnlabelledTexts
-from lit_rlhf.modules.distributed import gather_for_export, shard_models
+from lit_rlhf.modules.distributed import clip_each_model, gather_for_export, shard_models
 from lit_rlhf.modules.metrics import row_weight
 from lit_rlhf.modules.optim import AdamW, WarmupCosineLR
 from lit_rlhf.modules.reward_model import PairMetrics
@@ -48,8 +48,8 @@ class RewardEnsembleModule(SingleModelModule):
     resample of the pairs (each pair's loss weighted by a Poisson(1) count of (seed, pair),
     ``functional.poisson_bootstrap_weights``: bagging without K data loaders). The loss is the sum of the
     members' losses: each member's gradient is its own loss's, and per-parameter optimisers (AdamW) step each
-    member as if it trained alone (the Trainer's ``gradient_clip_val``, if set, clips the members' joint
-    norm). The export (``HFExport``) writes ``member_<k>`` folders, each a reward model
+    member as if it trained alone, and the Trainer's ``gradient_clip_val`` clips each member's gradient on its
+    own (under FSDP1 their joint norm). The export (``HFExport``) writes ``member_<k>`` folders, each a reward model
     ``AutoModelForSequenceClassification`` loads, and an ``ensemble.json`` naming them with ``aggregation``
     and ``coef`` (:mod:`lit_rlhf.ensembles`); an online module's ``reward_model`` takes that folder.
 
@@ -252,6 +252,16 @@ class RewardEnsembleModule(SingleModelModule):
     @override
     def configure_model(self) -> None:
         shard_models(self, [f"model.{k}" for k in range(len(self.seeds))])
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        """``Trainer(gradient_clip_val=...)`` clips each member's gradient on its own, as the member would be
+        clipped trained alone (``distributed.clip_each_model``; under FSDP1 their joint norm)."""
+        if not clip_each_model(self, optimizer, self.model, gradient_clip_val, gradient_clip_algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def export_pretrained(self, folder: str) -> None:
