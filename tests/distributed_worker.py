@@ -38,7 +38,13 @@ from ppo_helpers import PROMPTS, adamw  # noqa: E402
 from lit_rlhf.data import PreferenceDataModule  # noqa: E402
 from lit_rlhf.engines import Responses  # noqa: E402
 from lit_rlhf.models import ModelSpec, load_tokenizer  # noqa: E402
-from lit_rlhf.modules import CriticFreeModule, DPOModule, PPOModule, RewardModelModule  # noqa: E402
+from lit_rlhf.modules import (  # noqa: E402
+    CriticFreeModule,
+    DPOModule,
+    PPOModule,
+    RewardEnsembleModule,
+    RewardModelModule,
+)
 from lit_rlhf.process_groups import release_process_groups  # noqa: E402
 from lit_rlhf.rollout import GenerationSettings  # noqa: E402
 
@@ -130,6 +136,17 @@ def run_rm(args, tok) -> dict:
     trainer.validate(module, preference_loader(args, tok))  # val/loss: the mean over every rank's pairs
     rows = read_csv(args.out, "rm")
     return {"loss": [r["train/loss"] for r in rows if "train/loss" in r], "val_loss": [r["val/loss"] for r in rows if "val/loss" in r]}
+
+
+def run_rm_ensemble(args, tok) -> list[float]:
+    """Two members, 3 steps, each member's gradient clipped to a norm every step binds (0.05): under DDP the
+    clipping reads the reduced gradients, under FSDP2 each member's norm over both ranks' shards."""
+    seed_everything(0)
+    module = RewardEnsembleModule(
+        ModelSpec(config=llama_config(), tokenizer=args.tokenizer), num_members=2, optimizer=adamw(1e-2), scheduler=None
+    )
+    make_trainer(args, "rm_ensemble", max_steps=3, gradient_clip_val=0.05).fit(module, preference_loader(args, tok))
+    return [r["train/loss"] for r in read_csv(args.out, "rm_ensemble") if "train/loss" in r]
 
 
 # -- PPO ---------------------------------------------------------------------------------------------
@@ -367,6 +384,8 @@ def main() -> None:
     results: dict = {}
     if "ppo" in runs:
         results["rm"] = run_rm(args, tok)
+        if args.strategy != "fsdp1":  # FSDP1 clips the members' joint norm (RewardEnsembleModule)
+            results["rm_ensemble"] = run_rm_ensemble(args, tok)
         results["ppo"] = run_ppo(args, tok, "ppo", lora=False)
         results["ppo_lora"] = run_ppo(args, tok, "ppo_lora", lora=True)
     if "grpo" in runs:

@@ -1,7 +1,7 @@
 """RM, PPO and DPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
-Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, PPO
-fit, LoRA PPO fit; DDP and FSDP2 DPO fits; FSDP2 also a GRPO fit, and PPO saved sharded after one
+Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, a
+two-member RM ensemble fit with gradient clipping except under FSDP1, PPO fit, LoRA PPO fit; DDP and FSDP2 DPO fits; FSDP2 also a GRPO fit, and PPO saved sharded after one
 rollout and resumed); the single-process run of the same script with the same global batch is the
 reference. Every worker ends by
 releasing its process groups and fails if a gloo worker thread is still running then (such a thread
@@ -80,6 +80,15 @@ def test_losses_equal_single_process(run, strategy):
         # the policy moved: KL to the reference grows after the first rollout's update
         assert actual["rollout/kl_ref"][0] == pytest.approx(0.0, abs=1e-5)
         assert actual["rollout/kl_ref"][2] > 0.01
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ensemble_members_clipped_each_on_its_own_equal_single_process(run, strategy):
+    # RewardEnsembleModule clips each member's gradient on its own; a clip every step binds makes the later
+    # losses depend on it, so equal losses mean equal (reduced, or sharded) norms per member
+    expected = run("single")["rm_ensemble"]
+    assert len(expected) == 3 and expected[-1] < expected[0]
+    assert_close_lists(run(strategy)["rm_ensemble"], expected, f"{strategy} ensemble train/loss")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
