@@ -68,7 +68,7 @@ def test_the_term_is_the_functional_loss_of_the_members_scores(tiny_data_dir, te
 
 def test_the_batches_are_a_function_of_step_and_rank(tiny_data_dir, texts_file):
     ensemble = module(tiny_data_dir, texts_file)
-    texts = ensemble.unlabelled
+    texts = ensemble.unlabelled()
     assert len(texts.ids) == 40 and texts.order.sort().values.tolist() == list(range(40))
     assert torch.equal(texts.batch(3)[0], texts.batch(3)[0])
     # 40 texts, 4 a step: steps 0..9 draw each text once; two ranks draw disjoint rows at one step
@@ -158,5 +158,33 @@ def test_texts_past_the_models_positions_are_refused(tiny_data_dir, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"text": "word " * 400}) + "\n")
     with pytest.raises(ValueError, match="unlabelled texts of .*long.jsonl .*past the 128"):
-        module(tiny_data_dir, path)
-    module(tiny_data_dir, path, max_length=100)  # cut to their last 100 tokens: accepted
+        module(tiny_data_dir, path).unlabelled()  # read when first needed (a fit reads them in setup)
+    assert module(tiny_data_dir, path, max_length=100).unlabelled() is not None  # cut to the last 100: accepted
+
+
+def test_texts_in_other_encodings_name_the_file_and_row(tmp_path):
+    path = tmp_path / "texts.jsonl"
+    good = json.dumps({"text": "the food was good"}) + "\n"
+    path.write_bytes(("\ufeff" + good + "\n" + good.replace("\n", "\r\n")).encode())  # a BOM, a blank line, CRLF
+    assert read_texts(str(path)) == ["the food was good"] * 2
+    path.write_bytes((good * 1000).encode() + '{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(DataFormatError, match=r"row 1000 \(0-based\): line 1001: not valid UTF-8 \(byte b'\\xe9' at byte 14 of the line"):
+        read_texts(str(path))
+    path.write_text(good + '{"text": "a \\ud800 b"}\n')
+    with pytest.raises(DataFormatError, match=r"row 1 \(0-based\), field 'text': a lone surrogate"):
+        read_texts(str(path))
+
+
+def test_a_checkpoint_loads_without_the_texts(tiny_data_dir, texts_file, tmp_path):
+    own = tmp_path / "own.jsonl"
+    own.write_bytes(texts_file.read_bytes())
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    trainer(tmp_path / "b", max_steps=1, callbacks=[ckpt], enable_checkpointing=True).fit(
+        module(tiny_data_dir, own), data(tiny_data_dir)
+    )
+    (path,) = (tmp_path / "ckpt").glob("*.ckpt")
+    own.unlink()  # e.g. testing or exporting the members on another machine
+    loaded = RewardEnsembleModule.load_from_checkpoint(path)
+    assert loaded.disagreement.texts == str(own)
+    with pytest.raises(DataFormatError, match="own.jsonl: cannot read the unlabelled texts"):
+        trainer(tmp_path / "c", max_steps=2).fit(loaded, data(tiny_data_dir), ckpt_path=path)  # a fit needs them

@@ -14,6 +14,7 @@ what an uninterrupted one would; under several ranks each rank draws its own row
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -60,15 +61,28 @@ class Disagreement(Settings):
 
 
 def read_texts(path: str) -> list[str]:
-    """The ``text`` of every row of a ``.jsonl`` file; a :class:`DataFormatError` names the file, row and field
-    of the first row that is not an object with a non-empty string ``text``, or says the file has no rows."""
+    """The ``text`` of every row of a ``.jsonl`` file (UTF-8, a leading byte-order mark allowed; a row is a
+    non-blank line); a :class:`DataFormatError` names the file, row and field of the first row that is not
+    UTF-8 or not an object with a non-empty string ``text``, or says the file has no rows."""
     texts: list[str] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as err:
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
+    except OSError as err:
         raise DataFormatError(path, f"cannot read the unlabelled texts: {err}") from err
-    for row, line in enumerate(lines):
+    if raw_lines and raw_lines[0].startswith(codecs.BOM_UTF8):
+        raw_lines[0] = raw_lines[0][len(codecs.BOM_UTF8) :]
+    for line_no, raw in enumerate(raw_lines, 1):
+        row = len(texts)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad = raw[err.start : err.start + 1]
+            raise DataFormatError(
+                path, f"line {line_no}: not valid UTF-8 (byte {bad!r} at byte {err.start + 1} of the line)", row
+            ) from err
+        if not line.strip():
+            continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
@@ -77,6 +91,10 @@ def read_texts(path: str) -> list[str]:
         if not isinstance(text, str) or not text.strip():
             got = type(value).__name__ if not isinstance(value, dict) else repr(text)
             raise DataFormatError(path, f"needs a non-empty string, got {got}", row, "text")
+        try:  # a lone UTF-16 surrogate escape ("\ud800") parses, but is no text (the tokenizer refuses it)
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataFormatError(path, f"a lone surrogate escape in the string ({err.reason})", row, "text") from err
         texts.append(text)
     if not texts:
         raise DataFormatError(path, "the file has no rows")

@@ -102,18 +102,32 @@ class RewardEnsembleModule(SingleModelModule):
         bucketing = self.set_bucketing(bucketing)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._init_model(spec, self.build_members, optimizer, scheduler)
-        self.unlabelled = None
+        self.disagreement = None
+        self._unlabelled = None
         if disagreement is not None:
-            settings = Disagreement.coerce(disagreement, f"{type(self).__name__}: disagreement")
-            self.unlabelled = UnlabelledTexts(settings, self.tokenizer)  # read and tokenised once, here
-            longest = max(map(len, self.unlabelled.ids))
-            check_positions(self.model[0], longest, type(self).__name__, f"the unlabelled texts of {settings.texts}"
-                            " (cut them with disagreement.max_length)")  # fmt: skip
+            self.disagreement = Disagreement.coerce(disagreement, f"{type(self).__name__}: disagreement")
         plain_hparams(self, seeds=self.seeds)  # as resolved
         self.metrics = torch.nn.ModuleDict(
             {f"{s}_metrics": self.stage_metrics() for s in ("train", "val", "test")}
         )
         self.persist_train_metrics(self.metrics["train_metrics"])
+
+    def unlabelled(self) -> UnlabelledTexts | None:
+        """The tokenised texts of ``disagreement`` (None without it), read once, when first needed: a fit reads
+        them in ``setup``, while loading a checkpoint to test or export it does not need the file."""
+        if self.disagreement is not None and self._unlabelled is None:
+            texts = UnlabelledTexts(self.disagreement, self.tokenizer)
+            longest = max(map(len, texts.ids))
+            check_positions(self.model[0], longest, type(self).__name__, f"the unlabelled texts of "
+                            f"{self.disagreement.texts} (cut them with disagreement.max_length)")  # fmt: skip
+            self._unlabelled = texts
+        return self._unlabelled
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            self.unlabelled()  # read, tokenise and check the texts before training
 
     def build_members(self, spec: ModelSpec, tokenizer) -> torch.nn.ModuleList:
         """The K reward models, member k built with ``seeds[k]``; refused when they would all stay one model."""
@@ -166,13 +180,13 @@ class RewardEnsembleModule(SingleModelModule):
             losses.append(loss)
         losses = torch.stack(losses)  # (K,)
         total = losses.sum()
-        if self.unlabelled is not None and stage == "train":  # 3. agree on the pairs, disagree off them
+        if self.disagreement is not None and stage == "train":  # 3. agree on the pairs, disagree off them
             step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored on resume
             term, free = self.disagreement_term(scores, step, self.global_rank, self.trainer.world_size)
             weight = row_weight(free.shape[1])
             self.log("train/disagreement", term, sync_dist=True, batch_size=weight)
             self.log("train/unlabelled_std", F.ensemble_std(free.detach()).mean(), sync_dist=True, batch_size=weight)
-            total = total + self.unlabelled.settings.coef * term
+            total = total + self.disagreement.coef * term
         # 4. Metrics of the ensemble's aggregated score, of each member, and of the members' spread.
         metrics = self.metrics[f"{stage}_metrics"]
         aggregate = F.aggregate_ensemble(scores.detach(), hp.aggregation, hp.coef)  # (2B,)
@@ -190,9 +204,9 @@ class RewardEnsembleModule(SingleModelModule):
         """``functional.disagreement_loss`` of the members' (K, 2B) ``scores`` of a step's pair texts and of the
         unlabelled texts of training step ``step`` on ``rank`` (a function of both: a resumed fit draws as an
         uninterrupted one); returns the () term and the (K, U) scores of the unlabelled texts."""
-        input_ids, attention_mask = (t.to(scores.device) for t in self.unlabelled.batch(step, rank, world_size))
+        input_ids, attention_mask = (t.to(scores.device) for t in self.unlabelled().batch(step, rank, world_size))
         free = torch.stack(self.per_row(self.member_scores, attention_mask, input_ids, attention_mask))  # (K, U)
-        return F.disagreement_loss(scores, free, self.unlabelled.settings.target), free
+        return F.disagreement_loss(scores, free, self.disagreement.target), free
 
     def member_scores(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -275,7 +289,7 @@ class RewardEnsembleModule(SingleModelModule):
                 written = True
         if written:
             hp = self.hparams
-            extra = {} if self.unlabelled is None else {"disagreement": self.unlabelled.settings.as_dict()}
+            extra = {} if self.disagreement is None else {"disagreement": self.disagreement.as_dict()}
             write_ensemble_manifest(
                 folder, names, hp.aggregation, hp.coef, seeds=self.seeds, bootstrap=hp.bootstrap, **extra
             )
