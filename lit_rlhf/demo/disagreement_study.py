@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from lit_rlhf.modules import WarmupCosineLR
 from lit_rlhf.rollout import GenerationSettings
 
 MEMBERS = 3
+MAX_LENGTH = 64  # unlabelled texts cut to their last 64 tokens (rm_weak_disagreement_ensemble.yaml's max_length)
 
 
 def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str], draw: int, alpha: float,
@@ -72,11 +74,13 @@ def train_ensemble(out: Path, tokenizer, pairs: list[dict], unlabelled: list[str
     generator = torch.Generator().manual_seed(draw)
     order = torch.randperm(len(pairs), generator=generator).tolist()
     u_order = torch.randperm(len(unlabelled), generator=generator).tolist()
+    u_ids = [ids[-MAX_LENGTH:] for ids in tokenizer(unlabelled)["input_ids"]]  # cut as UnlabelledTexts cuts them
     for step in range(steps):
         rows = [order[(step * batch_size + i) % len(order)] for i in range(batch_size)]
         u_rows = [u_order[(step * batch_size + i) % len(u_order)] for i in range(batch_size)]
         texts = [pairs[r]["prompt"] + pairs[r][side] + eos for side in ("chosen", "rejected") for r in rows]
-        enc = tokenizer(texts + [unlabelled[r] for r in u_rows], return_tensors="pt", padding=True)
+        enc = tokenizer.pad({"input_ids": tokenizer(texts)["input_ids"] + [u_ids[r] for r in u_rows]},
+                            return_tensors="pt")  # fmt: skip
         scores = torch.stack([Member(m, None, 0.0)(enc["input_ids"], enc["attention_mask"]) for m in members])
         labelled, free = scores[:, : 2 * batch_size], scores[:, 2 * batch_size :]  # (K, 2B), (K, B)
         chosen, rejected = labelled.chunk(2, dim=1)  # (K, B), (K, B)
@@ -113,7 +117,7 @@ def module_runs(out: Path, texts: Path, draw: int, alpha: float, target: float, 
     init = rm["model"]["init_args"]
     init["seeds"] = [3 * draw + k for k in range(MEMBERS)]
     if alpha:
-        init["disagreement"] = {"texts": str(texts.resolve()), "coef": alpha, "target": target}
+        init["disagreement"] = {"texts": str(texts.resolve()), "coef": alpha, "target": target, "max_length": MAX_LENGTH}
     rm["trainer"]["logger"]["init_args"]["save_dir"] = str(study / "tb")
     runner.fit(name, rm, salt=f"threads={threads}")
     rows = []
@@ -163,6 +167,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ppo_seeds = [int(s) for s in args.ppo_seeds.split(",")] if args.ppo_seeds else []
     except ValueError:
         parser.error(f"--coefs {args.coefs!r}, --draws {args.draws!r}, --ppo-seeds: comma-separated numbers")
+    if not all(map(math.isfinite, [*coefs, args.target, args.temperature, args.forced_share])):
+        parser.error("--coefs, --target, --temperature and --forced-share must be finite numbers")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     if min(coefs + draws) < 0 or args.target <= 0 or args.temperature <= 0 or not 0 <= args.forced_share <= 1:
         parser.error(
             "--coefs and --draws must be >= 0, --target and --temperature > 0, --forced-share in [0, 1]"
@@ -175,6 +183,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     if not (args.out / "sft").is_dir() or not (args.out / "report.json").is_file():
         parser.error(f"--out {args.out}: no sft/ or report.json: run the demo pipeline first")
+    prompts_path = args.out / "assets" / "prompts_train.jsonl"
+    n_prompts = len(evaluate.read_jsonl(prompts_path)) if prompts_path.is_file() else 0
+    if args.unlabelled > n_prompts:
+        parser.error(f"--unlabelled {args.unlabelled}: at most the {n_prompts} training prompts of {prompts_path}"
+                     " (one text per prompt)")  # fmt: skip
     if (ppo_seeds or args.module) and not args.threads:
         parser.error("--ppo-seeds and --module need --threads (the runs depend on it)")
     if args.module and not ppo_seeds:

@@ -102,9 +102,11 @@ def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> 
         runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))
     write_pretrain_manifest(out)
     n = SMALL_TEXTS if small else N_TEXTS
-    runner.fit("rm_weak_disagreement_ensemble", load_config("rm_weak_disagreement_ensemble", out, small), ("sft",),
-               salt=f"texts={n},{TEMPERATURE},{FORCED_SHARE},{MIN_NEW_TOKENS},{MAX_NEW_TOKENS}",
-               before=lambda: write_disagreement_texts(out, n))  # fmt: skip
+    record = runner.fit("rm_weak_disagreement_ensemble", load_config("rm_weak_disagreement_ensemble", out, small),
+                        ("sft",), salt=f"texts={n},{TEMPERATURE},{FORCED_SHARE},{MIN_NEW_TOKENS},{MAX_NEW_TOKENS}",
+                        before=lambda: write_disagreement_texts(out, n))  # fmt: skip
+    if record.reused and not (out / DISAGREEMENT_TEXTS).is_file():  # the texts its config names: sampled again
+        write_disagreement_texts(out, n)
 
 
 def write_disagreement_texts(out: Path, n: int) -> Path:

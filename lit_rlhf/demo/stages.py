@@ -244,11 +244,11 @@ class StageRunner:
             logger = config["trainer"]["logger"]["init_args"]
             log_dir = str(Path(logger["save_dir"]) / logger["name"])
             self.forget(run, log_dir)
+            threads, start = torch.get_num_threads(), time.perf_counter()  # the stage's time includes ``before``
             if before is not None:
                 before()
             path = write_config(config, self.out, run)
             print(f"\n=== {run}: lit-rlhf fit --config {path}", flush=True)
-            threads, start = torch.get_num_threads(), time.perf_counter()
             peak_rss_mb = fit_in_child(path) if subprocess_ else fit_here(path)
             wall_s = time.perf_counter() - start
             record = StageRecord(run, key, config, log_dir, wall_s, peak_rss_mb, threads=threads, cpu=cpu_model())

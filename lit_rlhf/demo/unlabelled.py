@@ -39,7 +39,10 @@ def unlabelled_texts(
     (reported only, never used)."""
     tokenizer = load_tokenizer(str(out / "sft"), padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
-    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_train.jsonl")][:n]
+    path = out / "assets" / "prompts_train.jsonl"
+    prompts = [r["prompt"] for r in evaluate.read_jsonl(path)][:n]
+    if len(prompts) < n:  # one text per prompt: fewer prompts would also cut the forced share short
+        raise ValueError(f"{path}: {len(prompts)} training prompts, fewer than the {n} unlabelled texts asked for")
     forced_from = n - round(forced_share * n)
     segments = ((0, forced_from, {}), (forced_from, len(prompts), {"min_new_tokens": min_new_tokens}))
     texts, full = [], []
