@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_demo_reuse import fits  # noqa: F401 (the stand-in fits, a fixture)
 
 from lit_rlhf.demo import assets, disagreement_study, ensemble_runs, evaluate, pipeline, stages, unlabelled
 from lit_rlhf.demo.stages import StageRunner
@@ -116,23 +117,15 @@ def test_study_module_runs_cut_the_texts_as_the_pipeline_config_does(tiny_out, m
 
 
 @pytest.fixture
-def fits(monkeypatch) -> list[str]:
-    fitted: list[str] = []
-
-    def fake_fit(path: Path) -> float:
-        config = yaml.safe_load(Path(path).read_text())
-        Path(stages.export_dir(config)).mkdir(parents=True, exist_ok=True)
-        fitted.append(Path(path).stem)
-        return 1.0
+def fits_and_texts(fits, monkeypatch) -> list[str]:  # noqa: F811 (test_demo_reuse's fixture)
+    """test_demo_reuse's stand-in fits, with the disagreement texts written (slowly, as sampling is)."""
 
     def fake_texts(out, n):
         time.sleep(0.3)  # the sampling takes time
         return unlabelled.write_texts([f"text {k}" for k in range(n)], out / ensemble_runs.DISAGREEMENT_TEXTS)
 
-    monkeypatch.setattr(stages, "fit_here", fake_fit)
-    monkeypatch.setattr(stages, "fit_in_child", fake_fit)
     monkeypatch.setattr(ensemble_runs, "write_disagreement_texts", fake_texts)
-    return fitted
+    return fits
 
 
 def _run(out: Path) -> StageRunner:
@@ -142,7 +135,7 @@ def _run(out: Path) -> StageRunner:
     return runner
 
 
-def test_a_reused_disagreement_stage_writes_back_its_deleted_texts(tmp_path, fits):
+def test_a_reused_disagreement_stage_writes_back_its_deleted_texts(tmp_path, fits_and_texts):
     out = tmp_path / "demo"
     _run(out)
     texts = out / ensemble_runs.DISAGREEMENT_TEXTS
@@ -157,6 +150,6 @@ def test_a_reused_disagreement_stage_writes_back_its_deleted_texts(tmp_path, fit
 # 5. the texts' sampling counts in the stage's wall time
 
 
-def test_the_disagreement_stage_wall_time_includes_sampling_its_texts(tmp_path, fits):
+def test_the_disagreement_stage_wall_time_includes_sampling_its_texts(tmp_path, fits_and_texts):
     runner = _run(tmp_path / "demo")
     assert runner.records["rm_weak_disagreement_ensemble"].wall_s >= 0.3  # before: ~0 (the fit alone)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from ppo_helpers import adamw
+from test_reward_ensembles import TINY
+from test_sft_rm import StopAt
 
 from lit_rlhf import functional as F
 from lit_rlhf.callbacks import HFExport
@@ -20,11 +22,6 @@ from lit_rlhf.data.formats import DataFormatError
 from lit_rlhf.ensembles import ENSEMBLE_MANIFEST
 from lit_rlhf.modules import RewardEnsembleModule
 from lit_rlhf.modules.disagreement import Disagreement, UnlabelledTexts, read_texts
-
-TINY = {
-    "model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 128,
-    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +89,6 @@ def test_a_fit_logs_the_term_and_the_export_records_it(tiny_data_dir, texts_file
     assert manifest["disagreement"] == {"texts": str(texts_file), "coef": 2.0, "target": 3.0, "batch_size": 4,
                                         "max_length": 512, "seed": 0}  # fmt: skip
     assert diverse.hparams.disagreement["coef"] == 2.0  # plain values in hparams.yaml
-
-
-class StopAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 def test_resume_continues_exactly(tiny_data_dir, texts_file, tmp_path):

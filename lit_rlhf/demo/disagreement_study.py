@@ -29,18 +29,19 @@ import torch
 from lit_rlhf import functional as F
 from lit_rlhf.demo import evaluate, world
 from lit_rlhf.demo.aggregation_study import table
-from lit_rlhf.demo.overoptimization import final_policy, source_entry
+from lit_rlhf.demo.overoptimization import source_entry
 from lit_rlhf.demo.prior_study import (
     STUDY,
     Member,
     evaluate_ensemble,
+    evaluate_run,
     exploit_reviews,
     export_ensemble,
     good_reviews,
     line,
     ppo_runs,
 )
-from lit_rlhf.demo.stages import StageRunner, export_dir, load_config, name_run
+from lit_rlhf.demo.stages import StageRunner, load_config, name_run
 from lit_rlhf.demo.unlabelled import (
     FORCED_SHARE,
     MAX_NEW_TOKENS,
@@ -52,7 +53,6 @@ from lit_rlhf.demo.unlabelled import (
 )
 from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer
 from lit_rlhf.modules import WarmupCosineLR
-from lit_rlhf.rollout import GenerationSettings
 
 MEMBERS = 3
 MAX_LENGTH = 64  # unlabelled texts cut to their last 64 tokens (rm_weak_disagreement_ensemble.yaml's max_length)
@@ -105,12 +105,6 @@ def module_runs(out: Path, texts: Path, draw: int, alpha: float, target: float, 
     with ``disagreement: {texts, coef: alpha, target}`` fitted with ``lit-rlhf``, then the over-optimisation PPO
     of ``ppo_overoptimize_ensemble.yaml`` against its export (mean - 1 std) per seed, evaluated as the pipeline
     evaluates; returns :func:`lit_rlhf.demo.overoptimization.source_entry` of the final policies."""
-    report = json.loads((out / "report.json").read_text())
-    sft = {"gold_mean": report["sft_gold_mean"], "gold_std": report["sft_gold_std"]}
-    prompts = [r["prompt"] for r in evaluate.read_jsonl(out / "assets" / "prompts_eval.jsonl")]
-    generation = GenerationSettings(
-        max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE
-    )
     runner, study = StageRunner(out / STUDY), out / STUDY
     name = f"module_disagree{alpha:g}_t{target:g}_draw{draw}"
     rm = name_run(load_config("rm_weak_ensemble", out, small), name, 3 * draw, (), study)
@@ -128,10 +122,7 @@ def module_runs(out: Path, texts: Path, draw: int, alpha: float, target: float, 
         config = name_run(config, run, seed, ("rng_seed",), study)
         config["trainer"]["logger"]["init_args"]["save_dir"] = str(study / "tb")
         runner.fit(run, config, (name,), salt=f"threads={threads}")
-        samples = evaluate.sample_policy(Path(export_dir(config)) / "actor", prompts, generation,
-                                         reference_dir=out / "sft", reward_model_dir=out / "rm_weak",
-                                         batch_size=64 if small else 256)  # fmt: skip
-        rows.append({"seed": seed, "run": run, **final_policy(evaluate.summarize(samples), sft)})
+        rows.append({"seed": seed, "run": run, **evaluate_run(out, config, small)})
     return source_entry(rows)
 
 

@@ -216,10 +216,10 @@ def prior_ensemble_reward(
     return F.aggregate_ensemble(scores(members, tokenizer, texts), "mean_minus_std", coef).tolist()  # (N,)
 
 
-def ppo_runs(out: Path, folder: Path, name: str, seeds: list[int], threads: int, small: bool = False) -> dict:
-    """The ``--ensemble`` over-optimisation PPO (``ppo_overoptimize_ensemble.yaml``) with the exported ensemble
-    in ``folder`` as its reward (mean - 1 std, critic from member 0's ``f``), once per seed, evaluated as the
-    pipeline evaluates it: :func:`lit_rlhf.demo.overoptimization.source_entry` of the final policies."""
+def evaluate_run(out: Path, config: dict, small: bool = False) -> dict:
+    """The over-optimisation run of ``config``'s final policy evaluated as the pipeline evaluates it (the held-out
+    prompts, the single weak RM as proxy): :func:`lit_rlhf.demo.overoptimization.final_policy` against the SFT
+    policy of ``OUT/report.json``."""
     from lit_rlhf.rollout import GenerationSettings
 
     report = json.loads((out / "report.json").read_text())
@@ -228,6 +228,16 @@ def ppo_runs(out: Path, folder: Path, name: str, seeds: list[int], threads: int,
     generation = GenerationSettings(
         max_new_tokens=evaluate.EVAL_MAX_NEW_TOKENS, temperature=evaluate.EVAL_TEMPERATURE
     )
+    samples = evaluate.sample_policy(Path(export_dir(config)) / "actor", prompts, generation,
+                                     reference_dir=out / "sft", reward_model_dir=out / "rm_weak",
+                                     batch_size=64 if small else 256)  # fmt: skip
+    return final_policy(evaluate.summarize(samples), sft)
+
+
+def ppo_runs(out: Path, folder: Path, name: str, seeds: list[int], threads: int, small: bool = False) -> dict:
+    """The ``--ensemble`` over-optimisation PPO (``ppo_overoptimize_ensemble.yaml``) with the exported ensemble
+    in ``folder`` as its reward (mean - 1 std, critic from member 0's ``f``), once per seed, evaluated as the
+    pipeline evaluates it: :func:`lit_rlhf.demo.overoptimization.source_entry` of the final policies."""
     runner, rows = StageRunner(out / STUDY), []
     for seed in seeds:
         config = load_config("ppo_overoptimize_ensemble", out, small)
@@ -240,10 +250,7 @@ def ppo_runs(out: Path, folder: Path, name: str, seeds: list[int], threads: int,
         config = name_run(config, run, seed, ("rng_seed",), out / STUDY)
         config["trainer"]["logger"]["init_args"]["save_dir"] = str(out / STUDY / "tb")
         runner.fit(run, config, salt=f"threads={threads}")
-        samples = evaluate.sample_policy(Path(export_dir(config)) / "actor", prompts, generation,
-                                         reference_dir=out / "sft", reward_model_dir=out / "rm_weak",
-                                         batch_size=64 if small else 256)  # fmt: skip
-        rows.append({"seed": seed, "run": run, **final_policy(evaluate.summarize(samples), sft)})
+        rows.append({"seed": seed, "run": run, **evaluate_run(out, config, small)})
     return source_entry(rows)
 
 

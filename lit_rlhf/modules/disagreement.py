@@ -14,7 +14,6 @@ what an uninterrupted one would; under several ranks each rank draws its own row
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import json
 import math
@@ -23,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from lit_rlhf.data.formats import DataFormatError
+from lit_rlhf.data.sources import check_text_file
 from lit_rlhf.settings import Settings
 
 
@@ -63,26 +63,18 @@ class Disagreement(Settings):
 def read_texts(path: str) -> list[str]:
     """The ``text`` of every row of a ``.jsonl`` file (UTF-8, a leading byte-order mark allowed; a row is a
     non-blank line); a :class:`DataFormatError` names the file, row and field of the first row that is not
-    UTF-8 or not an object with a non-empty string ``text``, or says the file has no rows."""
-    texts: list[str] = []
+    UTF-8 (``data.sources.check_text_file`` names its line) or not an object with a non-empty string ``text``,
+    or says the file has no rows."""
     try:
-        with open(path, "rb") as f:
-            raw_lines = f.read().split(b"\n")
+        with open(path, encoding="utf-8-sig") as f:
+            lines = [line for line in f if line.strip()]
+    except UnicodeDecodeError as err:
+        check_text_file(path)  # raises, naming the line, row and byte
+        raise DataFormatError(path, f"not valid UTF-8: {err}") from err
     except OSError as err:
         raise DataFormatError(path, f"cannot read the unlabelled texts: {err}") from err
-    if raw_lines and raw_lines[0].startswith(codecs.BOM_UTF8):
-        raw_lines[0] = raw_lines[0][len(codecs.BOM_UTF8) :]
-    for line_no, raw in enumerate(raw_lines, 1):
-        row = len(texts)
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            bad = raw[err.start : err.start + 1]
-            raise DataFormatError(
-                path, f"line {line_no}: not valid UTF-8 (byte {bad!r} at byte {err.start + 1} of the line)", row
-            ) from err
-        if not line.strip():
-            continue
+    texts: list[str] = []
+    for row, line in enumerate(lines):
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
