@@ -192,3 +192,18 @@ def test_logged_coefficients_are_the_ones_the_rollout_used(tokenizer_dir, tmp_pa
     assert rows[0]["policy/kl_coef"] == pytest.approx(0.5)
     for row in rows:
         assert row["rollout/reward"] == pytest.approx(row["rollout/score"] - row["policy/kl_coef"] * row["rollout/kl_ref"], abs=1e-4)
+
+
+def test_logged_reward_is_score_minus_kl_penalty_with_whitened_rewards(tokenizer_dir, tmp_path):
+    """With advantage.whiten_rewards the per-token rewards are whitened for GAE, but the logged sequence rewards
+    stay the README's score - kl_coef * KL of each row (TRL's objective/rlhf_reward); before, they were the
+    whitened row sums (whose mean over rows of equal length happens to match; the rows do not)."""
+    module = tiny_ppo(tokenizer_dir, gpt2_config(), max_rollouts=2, kl={"coef": 0.5}, advantage={"whiten_rewards": True})
+    logged, log = [], module.log_rollout_stats
+    module.log_rollout_stats = lambda sample, scores, rewards, kl, *a, **k: (
+        logged.append((scores.clone(), rewards.clone(), kl.clone())), log(sample, scores, rewards, kl, *a, **k))
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=4))
+    assert len(logged) == 2
+    for scores, rewards, kl in logged:
+        assert float(rewards.std()) > 0
+        torch.testing.assert_close(rewards, scores - 0.5 * kl.sum(-1), atol=1e-4, rtol=1e-4)

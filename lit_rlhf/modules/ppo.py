@@ -108,10 +108,11 @@ class PPOModule(OnlineRLModule):
         scores, keep = self.score_responses(ids, attention, T, sample.responses.truncated, sample.columns, sample.env_scores)
         # 3. KL-shaped per-token rewards (InstructGPT, arXiv:2203.02155 eq. 2), then GAE advantages and returns.
         rewards, kl = F.kl_shaped_rewards(scores, old_logprobs, ref_logprobs, mask, self.kl_ctl.value, self.kl.estimator)
+        sequence_rewards = F.masked_row_sum(rewards, mask)  # (B,) score - KL penalty, logged unwhitened
         if advantage.whiten_rewards:
             rewards = self.whiten(rewards, mask, shift_mean=False)
         advantages, returns = F.compute_gae(rewards, old_values, mask, advantage.gamma, advantage.gae_lambda)
-        self.log_rollout_stats(sample, scores, F.masked_row_sum(rewards, mask), kl, entropy, old_logprobs)
+        self.log_rollout_stats(sample, scores, sequence_rewards, kl, entropy, old_logprobs)
         self.log_critic_stats(old_values, advantages, returns, mask)
         if advantage.whiten:  # over the kept rows (scoring.on_nonfinite: drop)
             advantages = self.whiten(advantages, mask if bool(keep.all()) else mask & keep[:, None])
