@@ -10,7 +10,8 @@ import pytest
 
 from lit_rlhf.cli import run_cli
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").rglob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(ROOT.joinpath("configs").rglob("*.yaml"))
 
 
 def print_config(path: Path) -> str:
@@ -35,3 +36,18 @@ def test_config_print_config_round_trip(path, tmp_path):
     again = tmp_path / "printed.yaml"
     again.write_text(first)
     assert print_config(again) == first
+
+
+def test_the_readmes_checkpoint_paths_are_where_their_configs_write_checkpoints():
+    """The Quick start's `lit-rlhf test --config X --ckpt_path P` commands name a folder X's ModelCheckpoint writes
+    to (the RM command named runs/rm_tiny/version_0/checkpoints, which no config writes)."""
+    import re
+
+    import yaml
+
+    commands = re.findall(r"--config (configs/\S+\.yaml)\s*\\?\s*--ckpt_path (\S+)", (ROOT / "README.md").read_text())
+    assert commands
+    for config, ckpt in commands:
+        callbacks = yaml.safe_load((ROOT / config).read_text())["trainer"]["callbacks"]
+        folders = [c["init_args"]["dirpath"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
+        assert folders == [str(Path(ckpt).parent)], f"README: {config} writes checkpoints to {folders}, not {ckpt}"

@@ -386,6 +386,7 @@ def test_unreadable_or_missing_file(name, content, problem, tokenizer_dir, tmp_p
     [
         ({"val_fraction": 1.0}, "val_fraction"),
         ({"max_length": 8, "max_prompt_length": 8}, "max_length"),
+        ({"max_length": 32}, r"max_length must be > max_prompt_length \(256: lower it too\), got 32"),
         ({"length_policy": "cut"}, "length_policy"),
         ({"batch_size": 0}, "batch_size"),
         ({"format": "hh"}, "format"),
@@ -518,3 +519,47 @@ def test_a_saved_dataset_takes_a_slice_and_refuses_another_split(tokenizer_dir, 
     assert len(data.train_dataset) == 4
     with pytest.raises(DataFormatError, match=r"bad split 'test' for a local file or saved Dataset \('train' or a slice"):
         make(SFTDataModule, tokenizer_dir, path, tmp_path, split="test").setup("fit")
+
+
+@pytest.fixture(scope="module")
+def add_eos_tokenizer(tmp_path_factory):
+    """A tokenizer that appends EOS to every encoding (Llama or Mistral saved with add_eos_token=True)."""
+    from conftest import make_corpus
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    bpe.train_from_iterator(make_corpus(), trainer)
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 1)]
+    )
+    path = tmp_path_factory.mktemp("add_eos_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("completion", [" very good", " very good</s>"])
+def test_a_tokenizer_that_appends_eos_leaves_none_inside_the_row(add_eos_tokenizer, tmp_path, completion):
+    """Before, its EOS ended every plain prompt (<s>prompt</s> response</s>): the model learnt to go on
+    after an end of sequence; a response whose text ended in EOS got two."""
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "the food was", "completion": completion}) + "\n")
+    dm = SFTDataModule(add_eos_tokenizer, str(path), val_fraction=0.0, max_length=32, max_prompt_length=16)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    eos = dm.tokenizer.eos_token_id
+    assert ids[0] == dm.tokenizer.bos_token_id and ids.count(eos) == 1 and ids[-1] == eos, dm.tokenizer.decode(ids)
+
+
+def test_a_tokenizer_that_appends_eos_does_not_end_prompts_with_it(add_eos_tokenizer, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "the food was"}) + "\n")
+    dm = PromptDataModule(add_eos_tokenizer, str(path), val_fraction=0.0, max_prompt_length=16, batch_size=1)
+    dm.setup("fit")
+    ids = next(iter(dm.train_dataloader()))["input_ids"][0].tolist()
+    assert ids[-1] != dm.tokenizer.eos_token_id and dm.tokenizer.eos_token_id not in ids, dm.tokenizer.decode(ids)

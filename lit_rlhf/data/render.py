@@ -127,7 +127,8 @@ def tokenize_rendered(
         index = [i for i, r in enumerate(rows) if r.templated == templated]
         if index:
             texts = [rows[i].prompt for i in index]
-            for i, ids in zip(index, tokenizer(texts, add_special_tokens=not templated)["input_ids"]):
+            encoded = _without_appended_eos(tokenizer, tokenizer(texts, add_special_tokens=not templated)["input_ids"])
+            for i, ids in zip(index, encoded):
                 prompts[i] = ids
     eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
     responses: list[list[list[int]]] = [[] for _ in rows]
@@ -167,8 +168,9 @@ def _response_ids(
             add_special_tokens=not templated,
             return_offsets_mapping=offsets,
         )
+        joint_ids = joint["input_ids"] if templated else _without_appended_eos(tokenizer, joint["input_ids"])
         for j, i in enumerate(index):
-            n, row_ids = len(prompts[i]), joint["input_ids"][j]
+            n, row_ids = len(prompts[i]), joint_ids[j]
             if row_ids[:n] != prompts[i]:  # a token straddles the prompt's end
                 alone.append(i)
                 continue
@@ -182,6 +184,16 @@ def _response_ids(
             if offsets:
                 starts[i] = [a for a, _ in separate["offset_mapping"][j]]
     return ids, starts
+
+
+def _without_appended_eos(tokenizer: PreTrainedTokenizerBase, encoded: list[list[int]]) -> list[list[int]]:
+    """``encoded`` less the EOS a tokenizer appends to every encoding with its special tokens (Llama or Mistral
+    saved with ``add_eos_token=True``, a ``<s> $A </s>`` post-processor): a prompt must not end in it (the
+    model would generate after an end of sequence), and a response ends in the one EOS this module appends."""
+    eos = tokenizer.eos_token_id
+    if eos is None or tokenizer("a", add_special_tokens=True)["input_ids"][-1:] != [eos]:
+        return encoded
+    return [ids[:-1] if ids[-1:] == [eos] else ids for ids in encoded]
 
 
 def clip_lengths(
