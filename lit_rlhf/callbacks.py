@@ -170,9 +170,13 @@ class HFExport(Callback):
         if trainer.is_global_zero:
             self.clear_destination()
         trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
+        marker = Path(self.dirpath) / EXPORT_MARKER
+        if trainer.is_global_zero:  # claimed before writing: an export cut short is this run's to redo on resume
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"run_id": self.run_id, "complete": False}) + "\n")
         export(self.dirpath)
         if trainer.is_global_zero:
-            (Path(self.dirpath) / EXPORT_MARKER).write_text(json.dumps({"run_id": self.run_id}) + "\n")
+            marker.write_text(json.dumps({"run_id": self.run_id}) + "\n")
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")
 
 

@@ -69,3 +69,13 @@ def test_resume_continues_with_the_next_batch(step, uninterrupted, tokenizer_dir
     path, seen, ckpt_dir = uninterrupted
     resumed = fit(path, tokenizer_dir, tmp_path, ckpt_path=str(ckpt_dir / f"step={step}.ckpt"))
     assert resumed == seen[step:]
+
+
+def test_resume_on_fewer_rows_than_the_checkpoint_consumed_is_refused(uninterrupted, tokenizer_dir, tmp_path):
+    """The saved position (8 of 20 rows consumed at step 4) is past a 4-row file's epoch: only changed training
+    data gives that. Before, the rest of the epoch was silently skipped (a CLI run trained nothing and exited 0)."""
+    _, _, ckpt_dir = uninterrupted
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(4)))
+    with pytest.raises(ValueError, match=r"training position \(8 rows of its epoch consumed\).*small.jsonl"):
+        fit(str(small), tokenizer_dir, tmp_path / "ckpt", ckpt_path=str(ckpt_dir / "step=4.ckpt"))

@@ -222,6 +222,15 @@ class RLHFDataModule(LightningDataModule):
         )
         self.train_sampler.set_epoch(resume["epoch"] + resume["offset"])  # Lightning's epoch number
         self.train_sampler.set_consumed(resume["consumed"])
+        per_batch = self.hparams.batch_size * self.train_sampler.num_replicas
+        epoch_rows = -(-self.train_sampler.num_samples // self.hparams.batch_size) * per_batch
+        if resume["consumed"] > epoch_rows:
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint's training position ({resume['consumed']} rows of its"
+                f" epoch consumed) is past the {len(self.train_dataset)} training rows of"
+                f" {self.hparams.train_path!r}: the training data (train_path, split, val_fraction,"
+                " length_policy) changed since the checkpoint; resume with the data it was written with"
+            )
         if self._drop_last() and len(self.train_sampler) < self.hparams.batch_size:
             raise ValueError(
                 f"{type(self).__name__}: {len(self.train_sampler)} training rows per rank are fewer than"

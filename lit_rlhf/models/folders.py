@@ -69,9 +69,17 @@ def load_pretrained(auto_class: type, spec: ModelSpec, **kwargs) -> nn.Module:
     """``auto_class.from_pretrained`` of ``spec.name_or_path`` (``kwargs`` passed on); a peft adapter folder is
     loaded on its base (:func:`adapter_base`, with the same ``kwargs``) and merged into it."""
     base = adapter_base(spec.name_or_path)
-    model = auto_class.from_pretrained(
-        base or spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **kwargs
-    )
+    try:
+        model = auto_class.from_pretrained(
+            base or spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **kwargs
+        )
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":  # safetensors' own error names no file
+            raise
+        raise OSError(
+            f"could not load the weights of {base or spec.name_or_path!r}: {err} (a truncated or corrupt"
+            " .safetensors file: a half-written export or an interrupted download? Re-create it)"
+        ) from err
     if base is None:
         return model
     from peft import PeftModel

@@ -50,6 +50,14 @@ def load_tokenizer(
             reason = f"no such folder ({os.path.abspath(name_or_path)}), nor a hub model ({reason})"
         raise OSError(f"could not load a tokenizer from {name_or_path!r}: {reason}") from err
     tokenizer.padding_side = padding_side
+    if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
+        # e.g. a model folder without tokenizer files (an export killed after its weights were written):
+        # transformers builds a tokenizer of special tokens only from config.json, which encodes text to nothing
+        raise OSError(
+            f"could not load a tokenizer from {name_or_path!r}: it has no vocabulary besides its special tokens;"
+            " does the folder hold the tokenizer files (tokenizer.json, vocab.json, ...)? A half-written export?"
+            " Re-run the fit that writes it"
+        )
     if tokenizer.eos_token is None:
         raise ValueError(
             f"tokenizer {name_or_path!r} has no eos_token: responses could never end; set one and save it"
