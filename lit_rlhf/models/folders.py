@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig
 
@@ -73,9 +74,7 @@ def load_pretrained(auto_class: type, spec: ModelSpec, **kwargs) -> nn.Module:
         model = auto_class.from_pretrained(
             base or spec.name_or_path, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **kwargs
         )
-    except Exception as err:
-        if type(err).__name__ != "SafetensorError":  # safetensors' own error names no file
-            raise
+    except SafetensorError as err:  # it names no file
         raise OSError(
             f"could not load the weights of {base or spec.name_or_path!r}: {err} (a truncated or corrupt"
             " .safetensors file: a half-written export or an interrupted download? Re-create it)"
