@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from lit_rlhf.functional.ensembles import ENSEMBLE_AGGREGATIONS
 from lit_rlhf.models.spec import ModelSpec
+from lit_rlhf.posterior import PosteriorReward
 from lit_rlhf.settings import Settings
 
 if TYPE_CHECKING:
@@ -181,14 +182,19 @@ def is_ensemble_folder(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / ENSEMBLE_MANIFEST).is_file()
 
 
-def coerce_reward_model(value: Any, argument: str = "reward_model") -> ModelSpec | RewardEnsemble | None:
-    """An online module's ``reward_model`` as a ``ModelSpec`` (one reward model) or a ``RewardEnsemble``.
+def coerce_reward_model(
+    value: Any, argument: str = "reward_model"
+) -> ModelSpec | RewardEnsemble | PosteriorReward | None:
+    """An online module's ``reward_model`` as a ``ModelSpec`` (one reward model), a ``RewardEnsemble``, or a
+    ``PosteriorReward`` (a dict with a ``posterior`` key: :mod:`lit_rlhf.posterior`).
 
     A ``RewardEnsemble``, a dict with an ``ensemble`` key, or a ModelSpec / dict / path whose ``name_or_path``
     is an ensemble folder is an ensemble; anything else goes through ``ModelSpec.coerce``.
     """
-    if value is None or isinstance(value, RewardEnsemble):
+    if value is None or isinstance(value, (RewardEnsemble, PosteriorReward)):
         return value
+    if isinstance(value, dict) and "posterior" in value:  # a reward model's last-layer posterior
+        return PosteriorReward.coerce(value, argument)
     if isinstance(value, dict) and {"ensemble", "aggregation", "coef"} & set(value):
         if "ensemble" not in value:  # e.g. a command-line override that jsonargparse could not merge
             aggregation = value.get("aggregation")

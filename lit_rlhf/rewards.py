@@ -29,8 +29,10 @@ from lit_rlhf.models import (
     frozen_copy,
     load_tokenizer,
     reward_model_scores,
+    sequence_scores_and_features,
 )
 from lit_rlhf.models.folders import adapter_config
+from lit_rlhf.posterior import PosteriorReward, read_posterior
 from lit_rlhf.reward_fns import (
     RewardFn,
     call_reward_fn,
@@ -160,12 +162,14 @@ class RewardSource(torch.nn.Module):
             self.description = f"{argument} [{', '.join(f'{t.name} x {t.weight:g}' for t in self.terms)}]"
         # ``reward_fn`` as plain values, as the hyper-parameters store it
         self.config_value = [t.as_dict() for t in self.terms] if self.terms else reward_fn
-        self.model, self.members, self.ensemble = None, None, None
+        self.model, self.members, self.ensemble, self.posterior = None, None, None, None
         self.model_tokenizer = None
         # the spec a PPO critic starts from: the reward model's, or an ensemble's first member's
         self.model_spec: ModelSpec | None = None
         if isinstance(reward_model, RewardEnsemble):
             model_tokenizer = self.build_ensemble(reward_model)
+        elif isinstance(reward_model, PosteriorReward):
+            model_tokenizer = self.build_posterior(reward_model)
         elif reward_model is not None:
             check_trained_head(reward_model, argument_of(reward_model, "reward_model"))
             model_tokenizer = load_tokenizer(
@@ -195,6 +199,18 @@ class RewardSource(torch.nn.Module):
         )
         return tokenizers[0]
 
+    def build_posterior(self, settings: PosteriorReward) -> Any:
+        """Build the posterior's frozen reward model (``model``) and read its covariance; returns its tokenizer."""
+        self.posterior = read_posterior(settings.posterior)
+        self.posterior_coef = settings.coef
+        spec = self.posterior.reward_model
+        check_trained_head(spec, f"reward_model.posterior {settings.posterior}'s reward model")
+        model_tokenizer = load_tokenizer(spec.name_or_path)
+        self.model = frozen_copy(build_score_model(spec, model_tokenizer))
+        self.model_spec = spec
+        self.description = f"reward_model {spec.name_or_path} less {settings.coef:g} x its last-layer spread"
+        return model_tokenizer
+
     def common_scale(self, scores: torch.Tensor) -> torch.Tensor:
         """(K, B) member scores -> the same on one scale (``functional.standardize_members``) where the ensemble
         has reference statistics and normalises; else unchanged."""
@@ -206,7 +222,10 @@ class RewardSource(torch.nn.Module):
     @property
     def part_names(self) -> list[str]:
         """The names of the raw scores :meth:`score_terms` returns beside the score: each function of a
-        ``reward_fn`` list, or each member of an ensemble (``member_<k>``); empty otherwise."""
+        ``reward_fn`` list, each member of an ensemble (``member_<k>``), or a posterior's raw ``score`` and its
+        ``uncertainty`` (the spread it takes ``coef`` of); empty otherwise."""
+        if self.posterior is not None:
+            return ["score", "uncertainty"]
         if self.members is not None:
             return [f"member_{k}" for k in range(len(self.members))]
         return [term.name for term in self.terms]
@@ -253,6 +272,11 @@ class RewardSource(torch.nn.Module):
             total = F.aggregate_ensemble(self.common_scale(scores), self.ensemble.aggregation, self.ensemble.coef)
             parts = dict(zip(self.part_names, scores))  # the members' raw scores
             return total, parts, {name: torch.ones_like(raw, dtype=torch.bool) for name, raw in parts.items()}
+        if self.posterior is not None:
+            raw, spread = self.model_scores(input_ids, attention_mask, response_length, chunk_size, features=True)
+            total = raw[0] - self.posterior_coef * spread  # (B,)
+            parts = {"score": raw[0], "uncertainty": spread}
+            return total, parts, {name: torch.ones_like(part, dtype=torch.bool) for name, part in parts.items()}
         if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
             return torch.zeros(input_ids.shape[0], device=input_ids.device), {}, {}
         if self.fn is None and not self.terms:
@@ -289,9 +313,11 @@ class RewardSource(torch.nn.Module):
         attention_mask: torch.Tensor,
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
-    ) -> torch.Tensor:
+        features: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(M, B) float32 scores of the M reward models (one, or an ensemble's members), in micro-batches (see
-        :meth:`score_terms`)."""
+        :meth:`score_terms`); with ``features``, (1, B) scores of the posterior's reward model and the (B,)
+        spread of its last-layer posterior (:meth:`Posterior.spread`)."""
         if self.model_tokenizer is not None:
             response_ids, response_mask = input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
@@ -309,6 +335,12 @@ class RewardSource(torch.nn.Module):
         else:  # re-tokenised rows have their own columns
             retokenised = self.model_tokenizer is not None
             batches = [(rows, slice(None) if retokenised else columns) for rows, columns, _ in chunk_size]
+        if features:
+            pairs = [sequence_scores_and_features(self.model, input_ids[rows][:, columns], attention_mask[rows][:, columns])
+                     for rows, columns in batches]  # fmt: skip
+            rows = [rows for rows, _ in batches]
+            scores = scatter_rows([s for s, _ in pairs], rows, n)[None]  # (1, B)
+            return scores, scatter_rows([self.posterior.spread(phi) for _, phi in pairs], rows, n)  # (B,)
         models = [self.model] if self.members is None else list(self.members)
         parts = [
             torch.stack(

@@ -93,6 +93,7 @@ from lit_rlhf.functional.stats import (
     whiten_from_moments,
 )
 from lit_rlhf.functional.truncation import truncated_logprobs
+from lit_rlhf.functional.uncertainty import elliptical_width, feature_precision
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -118,6 +119,8 @@ __all__ = [
     "disagreement_loss",
     "best_worst_pairs",
     "ensemble_std",
+    "elliptical_width",
+    "feature_precision",
     "poisson_bootstrap_weights",
     "standardize_members",
     "KL_ESTIMATORS",

@@ -29,6 +29,7 @@ from lit_rlhf.models.scoring import (
     position_ids_from_mask,
     response_logprobs,
     sequence_scores,
+    sequence_scores_and_features,
     token_values,
 )
 from lit_rlhf.models.shared_prefix import (
@@ -97,6 +98,7 @@ __all__ = [
     "reward_model_scores",
     "response_logprobs",
     "sequence_scores",
+    "sequence_scores_and_features",
     "set_logits_chunking",
     "scored_last_layer",
     "set_scored_last_layer",

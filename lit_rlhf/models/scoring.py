@@ -237,6 +237,31 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return values.gather(-1, last).squeeze(-1)
 
 
+def sequence_scores_and_features(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_scores` and the score head's input there: the last hidden state at the last real token.
+
+    Args:
+        model: a one-label ``*ForSequenceClassification`` model (plain or peft) whose head is ``score``.
+        input_ids: (B, L), any padding side.
+        attention_mask: (B, L), 1 for real tokens.
+
+    Returns:
+        (B,) float32 scores and (B, H) float32 features (what ``functional.elliptical_width`` measures).
+    """
+    head = _score_head(model)
+    captured: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _module, inputs, _output: captured.append(inputs[0]))
+    try:
+        scores = sequence_scores(model, input_ids, attention_mask)  # (B,)
+    finally:
+        handle.remove()
+    last = last_token_index(attention_mask)  # (B,)
+    hidden = captured[-1]  # (B, L, H); meaningful at the scored (last) positions
+    return scores, hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()  # (B,), (B, H)
+
+
 class ValueHead(nn.Module):
     """A linear value head on the actor's last hidden state (the "critic shares the backbone" option).
 

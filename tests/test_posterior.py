@@ -1,0 +1,187 @@
+"""A reward model's last-layer posterior: the elliptical width by hand, the features it is read from, the
+folder lit_rlhf.posterior writes, and the reward source an online module takes it as."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gpt2_config
+from hypothesis import given
+from hypothesis import strategies as st
+from ppo_helpers import prompt_loader, tiny_critic_free, trainer
+from test_ppo import read_metrics
+
+from lit_rlhf import functional as F
+from lit_rlhf.ensembles import coerce_reward_model
+from lit_rlhf.models import (
+    ModelSpec,
+    build_score_model,
+    load_tokenizer,
+    sequence_scores,
+    sequence_scores_and_features,
+)
+from lit_rlhf.posterior import PosteriorReward, fit_posterior, main, read_pairs, read_posterior
+from lit_rlhf.rewards import RewardSource
+
+
+def test_feature_precision_and_elliptical_width_by_hand():
+    phi = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    precision = F.feature_precision(phi, ridge=1.0)  # [[1 + 1, 0], [0, 4 + 1]]
+    torch.testing.assert_close(precision, torch.tensor([[2.0, 0.0], [0.0, 5.0]], dtype=torch.float64))
+    covariance = torch.linalg.inv(precision)  # diag(0.5, 0.2)
+    widths = F.elliptical_width(torch.tensor([[1.0, 1.0], [0.0, 0.0], [2.0, 0.0], [0.0, -1.0]]), covariance)
+    torch.testing.assert_close(widths, torch.tensor([0.7**0.5, 0.0, 2.0**0.5, 0.2**0.5]))
+    assert widths.dtype == torch.float32
+
+
+def test_a_direction_no_training_feature_took_is_the_widest():
+    phi = torch.tensor([[1.0, 0.0, 0.0]] * 10 + [[0.0, 1.0, 0.0]] * 10)  # nothing along the third axis
+    covariance = torch.linalg.inv(F.feature_precision(phi, ridge=1e-2))
+    seen, unseen = F.elliptical_width(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), covariance)
+    assert unseen == pytest.approx(10.0, rel=1e-5) and seen == pytest.approx((2 / 10.01) ** 0.5, rel=1e-5)
+
+
+@given(st.integers(0, 2**16), st.floats(-3, 3))
+def test_more_training_features_never_widen_and_the_width_scales_with_the_feature(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    phi, extra, x = torch.randn(6, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    before = F.elliptical_width(x, torch.linalg.inv(F.feature_precision(phi, 0.1)))  # (5,)
+    after = F.elliptical_width(x, torch.linalg.inv(F.feature_precision(torch.cat([phi, extra]), 0.1)))  # (5,)
+    assert bool((after <= before + 1e-5).all())
+    scaled = F.elliptical_width(scale * x, torch.linalg.inv(F.feature_precision(phi, 0.1)))
+    torch.testing.assert_close(scaled, abs(scale) * before, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: F.feature_precision(torch.zeros(0, 3), 1.0), "must be \\(N, H\\) with N >= 1"),
+        (lambda: F.feature_precision(torch.zeros(2, 3), 0.0), "`ridge` must be > 0.0"),
+        (lambda: F.elliptical_width(torch.zeros(2, 3), torch.eye(2)), "must agree"),
+    ],
+)
+def test_functional_arguments_are_checked(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tokenizer_dir, tmp_path_factory) -> Path:
+    """A randomly initialised reward model (its head seeded) exported with the test tokenizer."""
+    folder = tmp_path_factory.mktemp("rm")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    build_score_model(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=7), tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def posterior_dir(reward_model_dir, tiny_data_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("posterior")
+    fit_posterior(str(reward_model_dir), tiny_data_dir / "prefs.jsonl", folder, max_pairs=40, ridge=1e-2)
+    return folder
+
+
+def test_features_are_the_score_heads_input_at_the_scored_token(reward_model_dir):
+    tokenizer = load_tokenizer(str(reward_model_dir))
+    model = build_score_model(ModelSpec(name_or_path=str(reward_model_dir)), tokenizer).eval()
+    enc = tokenizer(["the food was good", "a b"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        scores, features = sequence_scores_and_features(model, enc["input_ids"], enc["attention_mask"])
+        torch.testing.assert_close(scores, sequence_scores(model, enc["input_ids"], enc["attention_mask"]))
+        torch.testing.assert_close(model.score(features).squeeze(-1), scores)
+    assert features.shape == (2, 32)
+
+
+def test_the_posterior_folder_holds_the_training_texts_statistics(posterior_dir, reward_model_dir, tiny_data_dir):
+    manifest = json.loads((posterior_dir / "posterior.json").read_text())
+    assert manifest["texts"] == 80 and manifest["ridge"] == 0.01
+    assert manifest["reward_model"] == str(reward_model_dir.resolve())
+    posterior = read_posterior(posterior_dir)
+    tokenizer = load_tokenizer(str(reward_model_dir))
+    model = build_score_model(posterior.reward_model, tokenizer).eval()
+    rows = read_pairs(tiny_data_dir / "prefs.jsonl", 40)
+    texts = [r["prompt"] + r[side] + tokenizer.eos_token for r in rows for side in ("chosen", "rejected")]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        scores, phi = sequence_scores_and_features(model, enc["input_ids"], enc["attention_mask"])
+    assert manifest["score_std"] == pytest.approx(scores.std().item(), rel=1e-4)
+    expected = torch.linalg.inv(phi.double().T @ phi.double() + 0.01 * torch.eye(32, dtype=torch.float64))
+    torch.testing.assert_close(posterior.covariance, expected)
+    # the spread is in score units: the training texts' mean spread is the scores' standard deviation
+    assert posterior.spread(phi).mean().item() == pytest.approx(manifest["score_std"], rel=1e-4)
+
+
+def test_the_reward_source_takes_coef_spreads_off_the_score(posterior_dir, reward_model_dir, tokenizer_dir):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    plain = RewardSource(ModelSpec(name_or_path=str(reward_model_dir)), None, tokenizer)
+    source = RewardSource(coerce_reward_model({"posterior": str(posterior_dir), "coef": 2.5}), None, tokenizer)
+    assert source.model_spec.name_or_path == str(reward_model_dir.resolve())  # PPO's critic starts from it
+    assert source.part_names == ["score", "uncertainty"]
+    enc = tokenizer(["the food was good and the food", "b c d"], return_tensors="pt", padding=True)
+    total, parts, scored = source.score_terms(enc["input_ids"], enc["attention_mask"], 3, 1)
+    torch.testing.assert_close(parts["score"], plain.score(enc["input_ids"], enc["attention_mask"], 3, 2))
+    torch.testing.assert_close(total, parts["score"] - 2.5 * parts["uncertainty"])
+    assert bool((parts["uncertainty"] > 0).all()) and all(bool(m.all()) for m in scored.values())
+
+
+def test_grpo_optimises_the_posteriors_score_and_logs_its_parts(posterior_dir, tokenizer_dir, tmp_path):
+    module = tiny_critic_free(tokenizer_dir, gpt2_config(), reward_fn=None, max_rollouts=2,
+                              reward_model={"posterior": str(posterior_dir), "coef": 1.0})  # fmt: skip
+    assert "less 1 x its last-layer spread" in module.rewards.description
+    trainer(tmp_path).fit(module, prompt_loader(tokenizer_dir, n=8, batch_size=2))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["rollout/reward/uncertainty"] > 0
+        expected = row["rollout/reward/score"] - row["rollout/reward/uncertainty"]
+        assert row["rollout/score"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"posterior": "x", "coef": -1}, "reward_model.coef must be a finite number >= 0"),
+        ({"posterior": " "}, "reward_model.posterior must be a folder written by lit_rlhf.posterior"),
+        ({"posterior": "x", "aggregation": "min"}, "aggregation"),
+    ],
+)
+def test_posterior_settings_are_checked(value, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        coerce_reward_model(value)
+    assert isinstance(coerce_reward_model({"posterior": "x"}), PosteriorReward)
+
+
+def test_posterior_folders_and_pairs_are_checked(posterior_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no posterior.json"):
+        read_posterior(tmp_path)
+    (tmp_path / "posterior.json").write_text(json.dumps({"format": "lit_rlhf.last_layer_posterior", "score_std": 0}))
+    with pytest.raises(ValueError, match="score_std must be a number > 0"):
+        read_posterior(tmp_path)
+    rows = {"bad.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": 3}\n',
+            "json.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": \n',
+            "list.jsonl": "[1, 2]\n", "empty.jsonl": "\n"}  # fmt: skip
+    messages = {"bad.jsonl": "bad.jsonl, row 1, field 'chosen': expected a non-empty string, got 3",
+                "json.jsonl": "json.jsonl, row 1: malformed JSON", "list.jsonl": "row 0: expected a JSON object",
+                "empty.jsonl": "empty.jsonl: no preference pairs"}  # fmt: skip
+    for name, text in rows.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=messages[name]):
+            read_pairs(tmp_path / name)
+
+
+def test_the_command_line_writes_the_folder_and_refuses_bad_arguments(reward_model_dir, tiny_data_dir, tmp_path, capsys):
+    path = main(["--reward_model", str(reward_model_dir), "--pairs", str(tiny_data_dir / "prefs.jsonl"),
+                 "--out", str(tmp_path / "p"), "--max_pairs", "8"])  # fmt: skip
+    assert json.loads(path.read_text())["texts"] == 16
+    for argv, message in ((["--max_pairs", "0"], "--max_pairs must be >= 1"), (["--ridge", "0"], "--ridge must be"),
+                          (["--pairs", str(tmp_path / "none.jsonl")], "none.jsonl: cannot read")):  # fmt: skip
+        base = {"--reward_model": str(reward_model_dir), "--pairs": str(tiny_data_dir / "prefs.jsonl"),
+                "--out": str(tmp_path / "q")}  # fmt: skip
+        base.update(dict(zip(argv[::2], argv[1::2])))
+        with pytest.raises(SystemExit) as exit_info:
+            main([part for item in base.items() for part in item])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
