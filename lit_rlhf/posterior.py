@@ -114,7 +114,7 @@ def read_pairs(path: str | Path, max_pairs: int | None = None) -> list[dict[str,
 
 @torch.no_grad()
 def fit_posterior(
-    reward_model: str | ModelSpec, pairs: str | Path, out: str | Path, max_pairs: int | None = None,
+    reward_model: str | Path | ModelSpec, pairs: str | Path, out: str | Path, max_pairs: int | None = None,
     ridge: float = 1e-3, batch_size: int = 64,
 ) -> Path:  # fmt: skip
     """Measure ``reward_model``'s last hidden states on its training pairs and write the posterior folder ``out``.
@@ -134,7 +134,7 @@ def fit_posterior(
 
     from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores_and_features
 
-    spec = ModelSpec.coerce(reward_model, "reward_model")
+    spec = ModelSpec.coerce(str(reward_model) if isinstance(reward_model, Path) else reward_model, "reward_model")
     tokenizer = load_tokenizer(spec.tokenizer_name_or_path, trust_remote_code=spec.trust_remote_code)
     model = build_score_model(spec, tokenizer).eval()
     rows = read_pairs(pairs, max_pairs)

@@ -29,7 +29,8 @@ ARGS = ["--small", "--algorithms", "ppo,grpo,dpo,online_dpo", "--seeds", "2", "-
 ENSEMBLE = {"rm_weak_ensemble", "sft_seed1", "sft_seed2", "rm_weak_sft1", "rm_weak_sft2", "ppo_overoptimize_ensemble",
             "ppo_overoptimize_pretrain_ensemble", "ppo_overoptimize_seed1", "ppo_overoptimize_ensemble_seed1",
             "ppo_overoptimize_pretrain_ensemble_seed1", "rm_weak_disagreement_ensemble",
-            "ppo_overoptimize_disagreement_ensemble", "ppo_overoptimize_disagreement_ensemble_seed1"}  # fmt: skip
+            "ppo_overoptimize_disagreement_ensemble", "ppo_overoptimize_disagreement_ensemble_seed1",
+            "ppo_overoptimize_posterior", "ppo_overoptimize_posterior_seed1"}  # fmt: skip
 SWEEP = {"ppo_overoptimize_kl0.1", "ppo_overoptimize_kl0.01", "ppo_overoptimize_kl0.1_seed1", "ppo_overoptimize_kl0.01_seed1"}
 
 
@@ -48,7 +49,8 @@ def test_small_pipeline_writes_the_report(small_run):
                  "ppo_overoptimize_reward_vs_kl.png", "algorithms_gold.png", "gold_vs_kl_frontier.png",
                  "ppo_overoptimize_ensemble_reward_vs_kl.png", "overoptimize_single_vs_ensemble.png",
                  "overoptimize_kl_sweep.png", "ppo_overoptimize_pretrain_ensemble_reward_vs_kl.png",
-                 "ppo_overoptimize_disagreement_ensemble_reward_vs_kl.png"):  # fmt: skip
+                 "ppo_overoptimize_disagreement_ensemble_reward_vs_kl.png",
+                 "ppo_overoptimize_posterior_reward_vs_kl.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(again))  # the last run's
     for key in REQUIRED_KEYS:
@@ -178,10 +180,11 @@ def test_pretrain_ensemble_members_have_their_own_backbones_and_every_source_run
     scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_pretrain_ensemble_seed1")
     assert {"rollout/ensemble_std", "rollout/reward/member_0", "rollout/reward/member_2"} <= set(scalars)
     sources = summary["overoptimize_sources"]
-    assert list(sources) == ["single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble"]
+    assert list(sources) == ["single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble", "posterior"]
     base = {"single": "ppo_overoptimize", "finetune_ensemble": "ppo_overoptimize_ensemble",
             "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble",
-            "disagreement_ensemble": "ppo_overoptimize_disagreement_ensemble"}  # fmt: skip
+            "disagreement_ensemble": "ppo_overoptimize_disagreement_ensemble",
+            "posterior": "ppo_overoptimize_posterior"}  # fmt: skip
     for source, entry in sources.items():
         assert [(r["seed"], r["run"]) for r in entry["seeds"]] == [(0, base[source]), (1, f"{base[source]}_seed1")]
         config = yaml.safe_load((out / "configs" / f"{base[source]}_seed1.yaml").read_text())
@@ -533,7 +536,7 @@ def test_member_agreement_by_hand_and_on_the_small_run(small_run, tmp_path):
     assert member_agreement.agreement(scores) == {"mean": 3.0, "spread": 1.0, "mean_minus_spread": 2.0}
     out, *_ = small_run
     result = member_agreement.main(["--out", str(out), "--prompts", "4"])
-    assert set(result) == {"sft", "single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble"}
+    assert set(result) == {"sft", "single", "finetune_ensemble", "pretrain_ensemble", "disagreement_ensemble", "posterior"}
     for entry in result.values():
         assert entry["n_texts"] == 4 and 0.0 <= entry["grammatical"] <= 1.0
         for family in member_agreement.FAMILIES:
@@ -699,3 +702,19 @@ def test_disagreement_study_bad_arguments_are_usage_errors(args, message, tmp_pa
     with pytest.raises(SystemExit) as exit_info:
         disagreement_study.main(["--out", str(tmp_path), *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_posterior_source_scores_the_weak_rm_less_its_last_layer_spread(small_run):
+    from lit_rlhf.demo import ensemble_runs
+    from lit_rlhf.posterior import read_pairs
+
+    out, summary, _ = small_run
+    manifest = json.loads((out / ensemble_runs.POSTERIOR / "posterior.json").read_text())
+    pairs = read_pairs(out / "assets" / "prefs_train.jsonl", ensemble_runs.POSTERIOR_PAIRS)
+    assert manifest["reward_model"] == str((out / "rm_weak").resolve()) and manifest["texts"] == 2 * len(pairs)
+    config = yaml.safe_load((out / "configs" / "ppo_overoptimize_posterior_seed1.yaml").read_text())
+    assert config["model"]["init_args"]["reward_model"] == {"posterior": str(out / "rm_weak_posterior"), "coef": 2.0}
+    scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_posterior")
+    assert {"rollout/reward/score", "rollout/reward/uncertainty"} <= set(scalars)
+    assert all(v > 0 for _, v in scalars["rollout/reward/uncertainty"])
+    assert "- the weak RM less 2 x its last-layer posterior's spread (weak RM accuracy" in (out / "report.md").read_text()

@@ -42,6 +42,7 @@ def fits(monkeypatch) -> list[str]:
     monkeypatch.setattr(stages, "fit_in_child", fake_fit)
     # the disagreement ensemble's texts are sampled from the SFT export, which a stand-in fit does not write
     monkeypatch.setattr(ensemble_runs, "write_disagreement_texts", lambda out, n: None)
+    monkeypatch.setattr(ensemble_runs, "write_posterior", lambda out: None)  # nor the weak RM's
     return fitted
 
 

@@ -1,4 +1,4 @@
-"""The fits of ``--ensemble``: the weak-KL over-optimisation run against three reward sources, per seed.
+"""The fits of ``--ensemble``: the weak-KL over-optimisation run against five reward sources, per seed.
 
 Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_weak.yaml``, 150 steps):
 
@@ -19,6 +19,11 @@ Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_we
   ensemble.yaml``, ``RewardEnsembleModule(disagreement=...)``: D-BAT, Pagliardini et al. 2023,
   arXiv:2202.04414; the texts from :mod:`lit_rlhf.demo.unlabelled`). Runs
   ``ppo_overoptimize_disagreement_ensemble[_seed<s>]``.
+- ``posterior``: not an ensemble of reward models but the weak RM's own last-layer posterior (``rm_weak_posterior``,
+  :func:`write_posterior`: its last hidden states on its 2,400 training pairs; :mod:`lit_rlhf.posterior`), scored
+  as the weak RM less two spreads of the posterior (``ppo_overoptimize_posterior.yaml``): the spread of infinitely
+  many heads on the one backbone, which grows where a response's features leave the training texts' span rather
+  than where separately trained members happen to disagree. Runs ``ppo_overoptimize_posterior[_seed<s>]``.
 
 The ensembles aggregate as mean - 1 std (Coste et al. 2024, arXiv:2310.02743). Each source's run has the
 weak KL penalty and learning rate of ``ppo_overoptimize.yaml`` and runs once per training seed of ``--seeds``
@@ -42,22 +47,28 @@ from lit_rlhf.demo.unlabelled import (
     write_texts,
 )
 from lit_rlhf.ensembles import write_ensemble_manifest
+from lit_rlhf.posterior import fit_posterior
 
 PRETRAIN_MEMBER_SEEDS = (1, 2)  # the members beyond the weak RM of the demo's own SFT backbone (seed 0)
 PRETRAIN_MANIFEST = "rm_weak_pretrain_ensemble"
 DISAGREEMENT_TEXTS = "rm_weak_disagreement_texts.jsonl"  # under OUT: rm_weak_disagreement_ensemble.yaml's texts
 SMALL_TEXTS = 32  # --small: unlabelled texts
+POSTERIOR = "rm_weak_posterior"  # under OUT: ppo_overoptimize_posterior.yaml's reward model
+POSTERIOR_PAIRS = 2400  # rm_weak.yaml's split: the first 2,400 rows of prefs_train.jsonl
+POSTERIOR_RIDGE = 1e-3
 SOURCES = {  # source -> the config (and the seed-0 run name) of its PPO run
     "single": "ppo_overoptimize",
     "finetune_ensemble": "ppo_overoptimize_ensemble",
     "pretrain_ensemble": "ppo_overoptimize_pretrain_ensemble",
     "disagreement_ensemble": "ppo_overoptimize_disagreement_ensemble",
+    "posterior": "ppo_overoptimize_posterior",
 }
 _INPUTS = {
     "single": ("sft", "rm_weak"),
     "finetune_ensemble": ("sft", "rm_weak_ensemble"),
     "pretrain_ensemble": ("sft", "rm_weak", *[f"{stage}{k}" for k in PRETRAIN_MEMBER_SEEDS for stage in ("sft_seed", "rm_weak_sft")]),
     "disagreement_ensemble": ("sft", "rm_weak_disagreement_ensemble"),
+    "posterior": ("sft", "rm_weak"),  # the posterior is a function of rm_weak, written before every run
 }  # fmt: skip
 
 
@@ -88,7 +99,7 @@ def write_pretrain_manifest(out: Path) -> Path:
 def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> None:
     """The ensembles' members: ``rm_weak_ensemble``, an SFT backbone and a weak RM per pretrain seed, and
     ``rm_weak_disagreement_ensemble`` on the SFT policy's unlabelled texts (sampled when that stage fits; its key
-    holds the SFT stage's and the sampling settings).
+    holds the SFT stage's and the sampling settings); then the weak RM's posterior (:func:`write_posterior`).
 
     ``salt`` is the main SFT stage's (the assets' arguments): the extra SFT backbones train on the same
     assets, so they re-run, like it, when those change."""
@@ -107,6 +118,13 @@ def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> 
                         before=lambda: write_disagreement_texts(out, n))  # fmt: skip
     if record.reused and not (out / DISAGREEMENT_TEXTS).is_file():  # the texts its config names: sampled again
         write_disagreement_texts(out, n)
+    write_posterior(out)
+
+
+def write_posterior(out: Path) -> Path:
+    """``OUT/rm_weak_posterior``: the weak RM's last-layer posterior on the pairs it was trained on (seconds)."""
+    pairs = out / "assets" / "prefs_train.jsonl"
+    return fit_posterior(out / "rm_weak", pairs, out / POSTERIOR, max_pairs=POSTERIOR_PAIRS, ridge=POSTERIOR_RIDGE)
 
 
 def write_disagreement_texts(out: Path, n: int) -> Path:

@@ -1,4 +1,5 @@
-"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, three ensembles'.
+"""The demo's over-optimisation runs in the report: the single weak RM's and, with ``--ensemble``, three ensembles'
+and the weak RM's last-layer posterior's.
 
 Every run is PPO with the same weak, fixed KL penalty and learning rate, from the SFT policy; the proxy of
 ``ppo_overoptimize`` is the weak reward model (``rm_weak``), that of ``ppo_overoptimize_ensemble`` the mean
@@ -6,14 +7,15 @@ minus one standard deviation of three weak reward models on one SFT backbone (``
 ``ppo_overoptimize_pretrain_ensemble`` the same aggregate of three weak reward models on SFT backbones
 pre-trained with three seeds (``rm_weak_pretrain_ensemble``), that of ``ppo_overoptimize_disagreement_ensemble``
 the same aggregate of three weak reward models trained to disagree off the pairs (``rm_weak_disagreement_
-ensemble``; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
+ensemble``), that of ``ppo_overoptimize_posterior`` the weak RM's score less two spreads of its last-layer
+posterior (``rm_weak_posterior``, :mod:`lit_rlhf.posterior`; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
 al. 2024, arXiv:2310.02743; Eisenstein et al. 2023, arXiv:2312.09244). Their final policies are evaluated
 like every other (the "proxy" of that evaluation is the single weak RM for all); the seed-0 training curves
 (gold and proxy per window of rollouts) are read as Gao et al. (2022, arXiv:2210.10760) read theirs: against
 sqrt(KL); with ``--seeds`` every source runs per seed and :func:`sources_summary` compares the final policies.
 
-Summary keys: ``overoptimize_<k>``, ``overoptimize_ensemble_<k>``, ``overoptimize_pretrain_ensemble_<k>`` and
-``overoptimize_disagreement_ensemble_<k>``
+Summary keys: ``overoptimize_<k>``, ``overoptimize_ensemble_<k>``, ``overoptimize_pretrain_ensemble_<k>``,
+``overoptimize_disagreement_ensemble_<k>`` and ``overoptimize_posterior_<k>``
 (the evaluation summary of each seed-0 final policy), ``<prefix>_curve`` (:func:`~lit_rlhf.demo.curves.
 overoptimization_shape`), ``rm_weak_val_accuracy``, ``rm_weak_ensemble_member_accuracies``,
 ``rm_weak_pretrain_ensemble_member_accuracies``, ``rm_weak_disagreement_ensemble_member_accuracies`` and
@@ -35,17 +37,20 @@ RUNS = {
     "ppo_overoptimize_ensemble": "overoptimize_ensemble",
     "ppo_overoptimize_pretrain_ensemble": "overoptimize_pretrain_ensemble",
     "ppo_overoptimize_disagreement_ensemble": "overoptimize_disagreement_ensemble",
+    "ppo_overoptimize_posterior": "overoptimize_posterior",
 }
 LABELS = {
     "ppo_overoptimize": "single weak RM",
     "ppo_overoptimize_ensemble": "ensemble of 3 weak RMs on one SFT backbone (mean - std)",
     "ppo_overoptimize_pretrain_ensemble": "ensemble of 3 weak RMs on SFT backbones of 3 seeds (mean - std)",
     "ppo_overoptimize_disagreement_ensemble": "ensemble of 3 weak RMs trained to disagree off the pairs (mean - std)",
+    "ppo_overoptimize_posterior": "the weak RM less 2 x its last-layer posterior's spread",
 }
 _MEMBERS = {
     "overoptimize_ensemble": "rm_weak_ensemble",
     "overoptimize_pretrain_ensemble": PRETRAIN_MANIFEST,
     "overoptimize_disagreement_ensemble": "rm_weak_disagreement_ensemble",
+    "overoptimize_posterior": None,  # the weak RM's own last-layer posterior: no members
 }
 HOLDS_SFT_STD = 1.0  # a final policy "holds" at a gold of at least SFT's mean + this many SFT std
 FLOOR_MARGIN = 1.0  # ... and "collapsed" at a gold within this of the world's floor (UNGRAMMATICAL_REWARD)
@@ -62,7 +67,7 @@ def summary_fields(results: dict, curves: dict) -> dict[str, Any]:
     if "rm_weak" in results:
         fields["rm_weak_val_accuracy"] = results["rm_weak"]["gold_accuracy"]
     for members in _MEMBERS.values():
-        if members in results:
+        if members is not None and members in results:
             fields[f"{members}_member_accuracies"] = [m["gold_accuracy"] for m in results[members]]
     return fields
 
@@ -113,7 +118,7 @@ def plot_runs(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_gold, ax_proxy) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, color in zip(RUNS, ("tab:red", "tab:green", "tab:blue", "tab:purple"), strict=True):
+    for run, color in zip(RUNS, ("tab:red", "tab:green", "tab:blue", "tab:purple", "tab:orange"), strict=True):
         if run not in curves:
             continue
         x = [max(kl, 0.0) ** 0.5 for kl in curves[run]["kl"]]
@@ -160,9 +165,13 @@ def report_lines(summary: dict) -> list[str]:
     for prefix, members in _MEMBERS.items():
         if f"{prefix}_gold_mean" not in summary:
             continue
-        accuracies = ", ".join(f"{a:.3f}" for a in summary.get(f"{members}_member_accuracies", []))
+        accuracies = (
+            f"weak RM accuracy {summary.get('rm_weak_val_accuracy', float('nan')):.3f}"
+            if members is None
+            else "members' accuracies " + ", ".join(f"{a:.3f}" for a in summary.get(f"{members}_member_accuracies", []))
+        )
         lines.append(
-            f"- {LABELS['ppo_' + prefix]} (members' accuracies {accuracies}): final gold"
+            f"- {LABELS['ppo_' + prefix]} ({accuracies}): final gold"
             f" {summary[f'{prefix}_gold_mean']:+.2f}, KL {summary[f'{prefix}_kl_ref']:.2f},"
             f" grammatical {summary[f'{prefix}_grammatical_rate']:.3f}; curve: "
             + _shape_text(summary[f"{prefix}_curve"])
@@ -187,12 +196,13 @@ def console_lines(summary: dict) -> list[str]:
     lines = []
     for prefix, label in (("overoptimize", "over-optimisation"), ("overoptimize_ensemble", "ensemble"),
                           ("overoptimize_pretrain_ensemble", "pretrain ensemble"),
-                          ("overoptimize_disagreement_ensemble", "disagreement ensemble")):  # fmt: skip
+                          ("overoptimize_disagreement_ensemble", "disagreement ensemble"),
+                          ("overoptimize_posterior", "last-layer posterior")):  # fmt: skip
         if f"{prefix}_gold_mean" not in summary:
             continue
         accuracy = (
             f"weak RM acc {summary['rm_weak_val_accuracy']:.3f}"
-            if prefix == "overoptimize"
+            if _MEMBERS.get(prefix) is None
             else "members " + "/".join(f"{a:.3f}" for a in summary.get(f"{_MEMBERS[prefix]}_member_accuracies", []))
         )
         curve = summary.get(f"{prefix}_curve")

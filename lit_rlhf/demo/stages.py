@@ -71,6 +71,7 @@ SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
     "ppo_overoptimize_ensemble": _TINY_PPO,
     "ppo_overoptimize_pretrain_ensemble": _TINY_PPO,
     "ppo_overoptimize_disagreement_ensemble": _TINY_PPO,
+    "ppo_overoptimize_posterior": _TINY_PPO,
     "grpo": _TINY_GROUP,
     "rloo": _TINY_GROUP,
     "reinforce_pp": _TINY_PPO,
