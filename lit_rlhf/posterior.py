@@ -78,7 +78,9 @@ class Posterior:
 
     def spread(self, features: torch.Tensor) -> torch.Tensor:
         """(B, H) features -> (B,) ``s * u / mean_train(u)``, in score units."""
-        width = F.elliptical_width(features, self.covariance.to(features.device))  # (B,)
+        if self.covariance.device != features.device:  # moved once, to the reward model's device
+            self.covariance = self.covariance.to(features.device)
+        width = F.elliptical_width(features, self.covariance)  # (B,)
         return width * (self.score_std / self.width_mean)  # (B,)
 
 

@@ -26,7 +26,7 @@ def test_configs_exist():
     names = {p.name for p in CONFIGS}
     assert {"sft_tiny.yaml", "rm_tiny.yaml", "ppo_tiny.yaml", "grpo_tiny.yaml", "rloo_tiny.yaml"} <= names
     assert "reinforce_pp_tiny.yaml" in names
-    assert {"online_dpo_tiny.yaml", "rm_ensemble_tiny.yaml", "ppo_ensemble_tiny.yaml"} <= names
+    assert {"online_dpo_tiny.yaml", "rm_ensemble_tiny.yaml", "ppo_ensemble_tiny.yaml", "ppo_posterior_tiny.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
