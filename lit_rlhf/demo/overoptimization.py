@@ -130,7 +130,7 @@ def plot_runs(curves: dict, path: Path) -> None:
         ax.set_ylabel(f"{name} reward - first window")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Over-optimisation: weak KL penalty, a single weak RM against ensembles of weak RMs")
+    fig.suptitle("Over-optimisation: weak KL penalty, a single weak RM against ensembles of weak RMs and its posterior")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
