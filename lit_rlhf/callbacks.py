@@ -170,11 +170,19 @@ class HFExport(Callback):
         if trainer.is_global_zero:
             self.clear_destination()
         trainer.strategy.barrier("HFExport")  # every rank has looked at the folder before rank 0 writes
-        marker = Path(self.dirpath) / EXPORT_MARKER
-        if trainer.is_global_zero:  # claimed before writing: an export cut short is this run's to redo on resume
-            marker.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(self.dirpath)
+        marker, existed = folder / EXPORT_MARKER, folder.exists()
+        if trainer.is_global_zero:  # claimed before writing: an export killed midway is this run's to redo on resume
+            folder.mkdir(parents=True, exist_ok=True)
             marker.write_text(json.dumps({"run_id": self.run_id, "complete": False}) + "\n")
-        export(self.dirpath)
+        try:
+            export(self.dirpath)
+        except BaseException:  # an export that refuses (e.g. non-finite weights) leaves no claimed, empty folder
+            if trainer.is_global_zero:
+                marker.unlink(missing_ok=True)
+                if not existed and folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
         if trainer.is_global_zero:
             marker.write_text(json.dumps({"run_id": self.run_id}) + "\n")
         rank_zero_info(f"HFExport: wrote {Path(self.dirpath).resolve()}")

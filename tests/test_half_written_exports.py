@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -79,9 +80,9 @@ def test_an_export_killed_midway_is_redone_by_the_runs_resume(tmp_path, tiny_dat
                        max_prompt_length: 16, batch_size: 8}}
     """))
     (tmp_path / "kill_in_export.py").write_text(KILL_IN_EXPORT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     first = subprocess.run([sys.executable, str(tmp_path / "kill_in_export.py"), "fit", "--config", str(config)],
-                           env=env, capture_output=True, text=True)  # fmt: skip
+                           env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     export = tmp_path / "export"
     assert (export / "model.safetensors").exists() and not (export / "tokenizer.json").exists()
@@ -89,7 +90,7 @@ def test_an_export_killed_midway_is_redone_by_the_runs_resume(tmp_path, tiny_dat
     with pytest.raises(OSError, match="no vocabulary"):
         load_tokenizer(str(export))
     resumed = subprocess.run([sys.executable, "-m", "lit_rlhf.cli", "fit", "--config", str(config), "--ckpt_path", "last"],
-                             env=env, capture_output=True, text=True)  # fmt: skip
+                             env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert load_tokenizer(str(export))("a b")["input_ids"]
     assert "complete" not in json.loads((export / "lit_rlhf_export.json").read_text())
