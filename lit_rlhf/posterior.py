@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -85,8 +86,8 @@ class Posterior:
 
 
 def read_pairs(path: str | Path, max_pairs: int | None = None) -> list[dict[str, str]]:
-    """The first ``max_pairs`` rows of a ``.jsonl`` of preference pairs, each with non-empty string ``prompt``
-    (may be empty), ``chosen`` and ``rejected``; errors name the file, the row (0-based) and the field."""
+    """The first ``max_pairs`` rows of a ``.jsonl`` of preference pairs, each with a string ``prompt`` (may be
+    empty) and non-empty strings ``chosen`` and ``rejected``; errors name the file, the row (0-based) and the field."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
@@ -154,7 +155,8 @@ def fit_posterior(
     out.mkdir(parents=True, exist_ok=True)
     save_file({"covariance": covariance.contiguous()}, str(out / COVARIANCE_FILE))
     manifest = {
-        "format": MANIFEST_FORMAT, "version": 1, "reward_model": str(Path(spec.name_or_path).resolve()),
+        # relative to the folder where it can be (the two folders move together, as an ensemble's members do)
+        "format": MANIFEST_FORMAT, "version": 1, "reward_model": os.path.relpath(Path(spec.name_or_path).resolve(), out.resolve()),
         "pairs": str(Path(pairs).resolve()), "texts": len(texts), "ridge": float(ridge),
         "score_std": torch.cat(scores).std().item(), "width_mean": width.mean().item(),
     }  # fmt: skip
@@ -185,7 +187,11 @@ def read_posterior(folder: str | Path) -> Posterior:
     if not (folder / COVARIANCE_FILE).is_file():
         raise FileNotFoundError(f"{where}: no {COVARIANCE_FILE} beside {POSTERIOR_MANIFEST}")
     covariance = load_file(str(folder / COVARIANCE_FILE))["covariance"]
-    return Posterior(ModelSpec(name_or_path=manifest["reward_model"]), covariance, float(manifest["score_std"]),
+    model = Path(manifest.get("reward_model", ""))
+    model = model if model.is_absolute() else (folder / model).resolve()
+    if not model.is_dir():
+        raise FileNotFoundError(f"{where}: its reward model {model} is not there")
+    return Posterior(ModelSpec(name_or_path=str(model)), covariance, float(manifest["score_std"]),
                      float(manifest["width_mean"]), folder)  # fmt: skip
 
 

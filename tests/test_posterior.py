@@ -99,8 +99,9 @@ def test_features_are_the_score_heads_input_at_the_scored_token(reward_model_dir
 def test_the_posterior_folder_holds_the_training_texts_statistics(posterior_dir, reward_model_dir, tiny_data_dir):
     manifest = json.loads((posterior_dir / "posterior.json").read_text())
     assert manifest["texts"] == 80 and manifest["ridge"] == 0.01
-    assert manifest["reward_model"] == str(reward_model_dir.resolve())
+    assert (posterior_dir / manifest["reward_model"]).resolve() == reward_model_dir.resolve()  # relative
     posterior = read_posterior(posterior_dir)
+    assert posterior.reward_model.name_or_path == str(reward_model_dir.resolve())
     tokenizer = load_tokenizer(str(reward_model_dir))
     model = build_score_model(posterior.reward_model, tokenizer).eval()
     rows = read_pairs(tiny_data_dir / "prefs.jsonl", 40)
@@ -161,6 +162,12 @@ def test_posterior_folders_and_pairs_are_checked(posterior_dir, tmp_path):
     (tmp_path / "posterior.json").write_text(json.dumps({"format": "lit_rlhf.last_layer_posterior", "score_std": 0}))
     with pytest.raises(ValueError, match="score_std must be a number > 0"):
         read_posterior(tmp_path)
+    moved = tmp_path / "moved"  # a posterior folder copied without its reward model
+    moved.mkdir()
+    for name in ("posterior.json", "covariance.safetensors"):
+        (moved / name).write_bytes((posterior_dir / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match="its reward model .* is not there"):
+        read_posterior(moved)
     rows = {"bad.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": 3}\n',
             "json.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": \n',
             "list.jsonl": "[1, 2]\n", "empty.jsonl": "\n"}  # fmt: skip
