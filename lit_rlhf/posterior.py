@@ -10,8 +10,9 @@ Fit once, after the reward model::
 
     python -m lit_rlhf.posterior --reward_model runs/rm --pairs data/prefs.jsonl --out runs/rm_posterior
 
-reads the preference pairs the reward model was trained on (``.jsonl`` rows with string ``prompt``, ``chosen``
-and ``rejected``; ``--max_pairs N`` for its first N), scores each prompt + response + EOS, and writes
+reads the preference pairs the reward model was trained on through a ``PreferenceDataModule`` (any of its formats;
+``--split``, ``--max_length`` and ``--max_prompt_length`` as the reward model's config has them), scores each
+chosen and rejected sequence as it was trained on it, and writes
 ``OUT/posterior.json`` and ``OUT/covariance.safetensors``. An online module then takes
 ``reward_model: {posterior: runs/rm_posterior, coef: 2.0}``; every response's score is
 
@@ -31,7 +32,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,7 +40,7 @@ from lit_rlhf import functional as F
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.settings import Settings
 
-__all__ = ["POSTERIOR_MANIFEST", "PosteriorReward", "fit_posterior", "read_posterior", "read_pairs"]
+__all__ = ["POSTERIOR_MANIFEST", "PosteriorReward", "fit_posterior", "read_posterior"]
 
 POSTERIOR_MANIFEST = "posterior.json"
 COVARIANCE_FILE = "covariance.safetensors"
@@ -85,80 +86,42 @@ class Posterior:
         return width * (self.score_std / self.width_mean)  # (B,)
 
 
-def read_pairs(path: str | Path, max_pairs: int | None = None) -> list[dict[str, str]]:
-    """The first ``max_pairs`` rows of a ``.jsonl`` of preference pairs, each with a string ``prompt`` (may be
-    empty) and non-empty strings ``chosen`` and ``rejected``; errors name the file, the row (0-based) and the field."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read the preference pairs: {err}") from err
-    rows: list[dict[str, str]] = []
-    for i, line in enumerate(lines):
-        if max_pairs is not None and len(rows) >= max_pairs:
-            break
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"{path}, row {i}: malformed JSON ({err})") from err
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
-        for field in ("prompt", "chosen", "rejected"):
-            value = row.get(field)
-            if not isinstance(value, str) or (field != "prompt" and not value.strip()):
-                raise ValueError(f"{path}, row {i}, field {field!r}: expected a non-empty string, got {value!r:.80}")
-        rows.append({field: row[field] for field in ("prompt", "chosen", "rejected")})
-    if not rows:
-        raise ValueError(f"{path}: no preference pairs")
-    return rows
-
-
 @torch.no_grad()
-def fit_posterior(
-    reward_model: str | Path | ModelSpec, pairs: str | Path, out: str | Path, max_pairs: int | None = None,
-    ridge: float = 1e-3, batch_size: int = 64,
-) -> Path:  # fmt: skip
+def fit_posterior(reward_model: str | Path | ModelSpec, data: Any, out: str | Path, ridge: float = 1e-3) -> Path:
     """Measure ``reward_model``'s last hidden states on its training pairs and write the posterior folder ``out``.
 
     Args:
         reward_model: the reward model (an exported folder, or a ``ModelSpec``).
-        pairs: the ``.jsonl`` preference pairs it was trained on (see :func:`read_pairs`).
+        data: the :class:`~lit_rlhf.data.PreferenceDataModule` of the pairs it was trained on: every pair of its
+            training split is scored as that module tokenises it (formats, length limits, EOS), chosen and rejected.
         out: the folder to write (``posterior.json``, ``covariance.safetensors``).
-        max_pairs: the first ``max_pairs`` rows only (None: all).
         ridge: the prior precision of ``functional.feature_precision`` (> 0).
-        batch_size: texts per forward.
 
     Returns:
         The path of ``posterior.json``.
     """
     from safetensors.torch import save_file
+    from torch.utils.data import DataLoader
 
     from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores_and_features
 
     spec = ModelSpec.coerce(str(reward_model) if isinstance(reward_model, Path) else reward_model, "reward_model")
     tokenizer = load_tokenizer(spec.tokenizer_name_or_path, trust_remote_code=spec.trust_remote_code)
     model = build_score_model(spec, tokenizer).eval()
-    rows = read_pairs(pairs, max_pairs)
-    texts = [row["prompt"] + row[side] + tokenizer.eos_token for row in rows for side in ("chosen", "rejected")]
-    scores, features = [], []
-    for start in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
-        s, phi = sequence_scores_and_features(model, enc["input_ids"], enc["attention_mask"])  # (b,), (b, H)
-        scores.append(s)
-        features.append(phi)
-    phi = torch.cat(features)  # (N, H)
+    if data.train_dataset is None:
+        data.setup("fit")
+    loader = DataLoader(data.train_dataset, batch_size=data.hparams.batch_size, collate_fn=data.collator)
+    pairs = [sequence_scores_and_features(model, b["input_ids"], b["attention_mask"]) for b in loader]
+    scores, phi = torch.cat([s for s, _ in pairs]), torch.cat([f for _, f in pairs])  # (N,), (N, H)
     covariance = torch.linalg.inv(F.feature_precision(phi, ridge))  # (H, H) float64
-    width = F.elliptical_width(phi, covariance)  # (N,)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"covariance": covariance.contiguous()}, str(out / COVARIANCE_FILE))
     manifest = {
         # relative to the folder where it can be (the two folders move together, as an ensemble's members do)
         "format": MANIFEST_FORMAT, "version": 1, "reward_model": os.path.relpath(Path(spec.name_or_path).resolve(), out.resolve()),
-        "pairs": str(Path(pairs).resolve()), "texts": len(texts), "ridge": float(ridge),
-        "score_std": torch.cat(scores).std().item(), "width_mean": width.mean().item(),
+        "pairs": data.hparams.train_path, "split": data.hparams.split, "texts": len(scores), "ridge": float(ridge),
+        "score_std": scores.std().item(), "width_mean": F.elliptical_width(phi, covariance).mean().item(),
     }  # fmt: skip
     path = out / POSTERIOR_MANIFEST
     path.write_text(json.dumps(manifest, indent=1) + "\n")
@@ -197,19 +160,23 @@ def read_posterior(folder: str | Path) -> Posterior:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reward_model", required=True, help="the reward model's exported folder")
-    parser.add_argument("--pairs", required=True, help="the .jsonl preference pairs it was trained on")
+    parser.add_argument("--reward_model", required=True, help="the reward model's exported folder (and tokenizer)")
+    parser.add_argument("--pairs", required=True, help="the preference pairs it was trained on (its train_path)")
+    parser.add_argument("--split", default="train", help="their split, as its config's (e.g. 'train[:2400]')")
+    parser.add_argument("--max_length", type=int, default=512, help="as its config's (PreferenceDataModule)")
+    parser.add_argument("--max_prompt_length", type=int, default=256, help="as its config's")
     parser.add_argument("--out", required=True, help="the folder to write")
-    parser.add_argument("--max_pairs", type=int, default=None, help="the first N pairs only (default: all)")
     parser.add_argument("--ridge", type=float, default=1e-3, help="the prior precision lambda (> 0)")
     args = parser.parse_args(argv)
-    if args.max_pairs is not None and args.max_pairs < 1:
-        parser.error(f"--max_pairs must be >= 1, got {args.max_pairs}")
     if not (math.isfinite(args.ridge) and args.ridge > 0):
         parser.error(f"--ridge must be a finite number > 0, got {args.ridge}")
+    from lit_rlhf.data import PreferenceDataModule
+
     try:
-        path = fit_posterior(args.reward_model, args.pairs, args.out, args.max_pairs, args.ridge)
-    except (OSError, ValueError) as err:
+        data = PreferenceDataModule(args.reward_model, args.pairs, val_fraction=0.0, split=args.split,
+                                    max_length=args.max_length, max_prompt_length=args.max_prompt_length)  # fmt: skip
+        path = fit_posterior(args.reward_model, data, args.out, args.ridge)
+    except (OSError, ValueError) as err:  # the data module's errors name the file, row and field
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {path}")
     return path

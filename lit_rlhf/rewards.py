@@ -273,9 +273,9 @@ class RewardSource(torch.nn.Module):
             parts = dict(zip(self.part_names, scores))  # the members' raw scores
             return total, parts, {name: torch.ones_like(raw, dtype=torch.bool) for name, raw in parts.items()}
         if self.posterior is not None:
-            raw, spread = self.model_scores(input_ids, attention_mask, response_length, chunk_size, features=True)
-            total = raw[0] - self.posterior_coef * spread  # (B,)
-            parts = {"score": raw[0], "uncertainty": spread}
+            raw, spread = self.model_scores(input_ids, attention_mask, response_length, chunk_size)  # (B,), (B,)
+            total = raw - self.posterior_coef * spread  # (B,)
+            parts = {"score": raw, "uncertainty": spread}
             return total, parts, {name: torch.ones_like(part, dtype=torch.bool) for name, part in parts.items()}
         if self.fn is None and not self.terms and self.model is None:  # an environment's rewards only
             return torch.zeros(input_ids.shape[0], device=input_ids.device), {}, {}
@@ -313,11 +313,9 @@ class RewardSource(torch.nn.Module):
         attention_mask: torch.Tensor,
         response_length: int,
         chunk_size: int | Sequence[MicroBatch],
-        features: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """(M, B) float32 scores of the M reward models (one, or an ensemble's members), in micro-batches (see
-        :meth:`score_terms`); with ``features``, (1, B) scores of the posterior's reward model and the (B,)
-        spread of its last-layer posterior (:meth:`Posterior.spread`)."""
+    ) -> torch.Tensor:
+        """(M, B) float32 scores of the M reward models (one, or an ensemble's members; a posterior's reward model
+        and its spread, :meth:`batch_scores`), in micro-batches (see :meth:`score_terms`)."""
         if self.model_tokenizer is not None:
             response_ids, response_mask = input_ids[:, -response_length:], attention_mask[:, -response_length:].bool()
             prompts = self.tokenizer.batch_decode(input_ids[:, :-response_length], skip_special_tokens=True)
@@ -335,21 +333,17 @@ class RewardSource(torch.nn.Module):
         else:  # re-tokenised rows have their own columns
             retokenised = self.model_tokenizer is not None
             batches = [(rows, slice(None) if retokenised else columns) for rows, columns, _ in chunk_size]
-        if features:
-            pairs = [sequence_scores_and_features(self.model, input_ids[rows][:, columns], attention_mask[rows][:, columns])
-                     for rows, columns in batches]  # fmt: skip
-            rows = [rows for rows, _ in batches]
-            scores = scatter_rows([s for s, _ in pairs], rows, n)[None]  # (1, B)
-            return scores, scatter_rows([self.posterior.spread(phi) for _, phi in pairs], rows, n)  # (B,)
-        models = [self.model] if self.members is None else list(self.members)
-        parts = [
-            torch.stack(
-                [reward_model_scores(m, input_ids[rows][:, columns], attention_mask[rows][:, columns]) for m in models],
-                dim=1,
-            )  # (b, M)
-            for rows, columns in batches
-        ]
+        parts = [self.batch_scores(input_ids[rows][:, columns], attention_mask[rows][:, columns]) for rows, columns in batches]
         return scatter_rows(parts, [rows for rows, _ in batches], n).T  # (M, B)
+
+    def batch_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(b, L) sequences -> (b, M): each reward model's score; for a posterior, the score and its spread
+        (:meth:`~lit_rlhf.posterior.Posterior.spread`) from one forward."""
+        if self.posterior is not None:
+            scores, features = sequence_scores_and_features(self.model, input_ids, attention_mask)  # (b,), (b, H)
+            return torch.stack([scores, self.posterior.spread(features)], dim=1)  # (b, 2)
+        models = [self.model] if self.members is None else list(self.members)
+        return torch.stack([reward_model_scores(m, input_ids, attention_mask) for m in models], dim=1)  # (b, M)
 
 
 def _ends_with_special(ids: torch.Tensor, mask: torch.Tensor, special: list[int]) -> list[bool]:

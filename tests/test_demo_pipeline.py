@@ -705,13 +705,15 @@ def test_disagreement_study_bad_arguments_are_usage_errors(args, message, tmp_pa
 
 
 def test_the_posterior_source_scores_the_weak_rm_less_its_last_layer_spread(small_run):
+    from lit_rlhf.data import PreferenceDataModule
     from lit_rlhf.demo import ensemble_runs
-    from lit_rlhf.posterior import read_pairs
 
     out, summary, _ = small_run
     manifest = json.loads((out / ensemble_runs.POSTERIOR / "posterior.json").read_text())
-    pairs = read_pairs(out / "assets" / "prefs_train.jsonl", ensemble_runs.POSTERIOR_PAIRS)
-    assert manifest["reward_model"] == "../rm_weak" and manifest["texts"] == 2 * len(pairs)
+    data = PreferenceDataModule(**yaml.safe_load((out / "configs" / "rm_weak.yaml").read_text())["data"]["init_args"])
+    data.setup("fit")  # the pairs the weak RM trained on, read as it read them
+    assert manifest["reward_model"] == "../rm_weak" and manifest["split"] == "train[:2400]"
+    assert manifest["texts"] == 2 * len(data.train_dataset)
     config = yaml.safe_load((out / "configs" / "ppo_overoptimize_posterior_seed1.yaml").read_text())
     assert config["model"]["init_args"]["reward_model"] == {"posterior": str(out / "rm_weak_posterior"), "coef": 2.0}
     scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_posterior")

@@ -27,6 +27,12 @@ from lit_rlhf.demo import (
 from lit_rlhf.demo.stages import StageRecord, StageRunner
 
 
+def _stand_in_posterior(out: Path, small: bool = False) -> None:
+    folder = out / ensemble_runs.POSTERIOR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "covariance.safetensors").write_bytes(b"stand-in")
+
+
 @pytest.fixture
 def fits(monkeypatch) -> list[str]:
     """Fits replaced by a stand-in that creates the export folder; returns the runs fitted, in order."""
@@ -42,7 +48,7 @@ def fits(monkeypatch) -> list[str]:
     monkeypatch.setattr(stages, "fit_in_child", fake_fit)
     # the disagreement ensemble's texts are sampled from the SFT export, which a stand-in fit does not write
     monkeypatch.setattr(ensemble_runs, "write_disagreement_texts", lambda out, n: None)
-    monkeypatch.setattr(ensemble_runs, "write_posterior", lambda out: None)  # nor the weak RM's
+    monkeypatch.setattr(ensemble_runs, "write_posterior", _stand_in_posterior)  # nor the weak RM's
     return fitted
 
 
@@ -262,6 +268,30 @@ def test_ensemble_sft_backbones_rerun_when_the_assets_change(tmp_path, fits):
     assert run(0) == set()
     assert "sft_seed1" in run(0) and "rm_weak_sft2" in run(0)
     assert run(1) == set()  # new assets: every stage again, the extra backbones included
+
+
+def test_posterior_runs_refit_when_the_posterior_changes(tmp_path, fits, monkeypatch):
+    """The posterior's PPO runs have the same inputs (SFT, weak RM) whatever the posterior holds: its covariance's
+    digest is in their key, so a posterior written another way refits them on --reuse (and only them)."""
+    out, covariance = tmp_path / "demo", b"stand-in"
+
+    def write(out: Path, small: bool = False) -> None:
+        folder = out / ensemble_runs.POSTERIOR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "covariance.safetensors").write_bytes(covariance)
+
+    monkeypatch.setattr(ensemble_runs, "write_posterior", write)
+
+    def refitted() -> set[str]:
+        manifest = {"args": {**assets.SMALL, "seed": 0}, "max_response_tokens": 1}
+        runner = StageRunner(out, reuse=True)
+        pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=True)
+        return {name for name, record in runner.records.items() if not record.reused}
+
+    assert "ppo_overoptimize_posterior" in refitted()
+    assert refitted() == set()
+    covariance = b"another"
+    assert refitted() == {"ppo_overoptimize_posterior"}
 
 
 # 8. --kl-sweep coefficients must give distinct run names

@@ -123,11 +123,13 @@ def tokenize_rendered(
     spans is 1 on the tokens that start inside one, and on the EOS.
     """
     prompts: list[list[int]] = [[] for _ in rows]
+    appended_eos = appends_eos(tokenizer)
     for templated in (False, True):
         index = [i for i, r in enumerate(rows) if r.templated == templated]
         if index:
             texts = [rows[i].prompt for i in index]
-            encoded = _without_appended_eos(tokenizer, tokenizer(texts, add_special_tokens=not templated)["input_ids"])
+            encoded = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+            encoded = _without_eos(encoded, tokenizer.eos_token_id) if appended_eos and not templated else encoded
             for i, ids in zip(index, encoded):
                 prompts[i] = ids
     eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
@@ -137,7 +139,7 @@ def tokenize_rendered(
         texts = [r.responses[slot] for r in rows]
         texts = [t.rstrip() if t.rstrip().endswith(eos_text) else t for t in texts]
         spans = [r.trained[slot] if slot < len(r.trained) else None for r in rows]
-        ids, starts = _response_ids(tokenizer, rows, texts, prompts, any(s is not None for s in spans))
+        ids, starts = _response_ids(tokenizer, rows, texts, prompts, any(s is not None for s in spans), appended_eos)
         for i, (row_ids, row_starts, row_spans) in enumerate(zip(ids, starts, spans)):
             mask = [] if row_spans is None else [int(any(a <= c < b for a, b in row_spans)) for c in row_starts]
             if row_ids[-1:] != [eos]:
@@ -153,6 +155,7 @@ def _response_ids(
     texts: list[str],
     prompts: list[list[int]],
     offsets: bool,
+    appended_eos: bool,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The responses' ids (see :func:`tokenize_rendered`) and, with ``offsets``, where in its text each
     token starts; one batched call per kind of prompt, and one for the responses tokenised alone."""
@@ -168,7 +171,7 @@ def _response_ids(
             add_special_tokens=not templated,
             return_offsets_mapping=offsets,
         )
-        joint_ids = joint["input_ids"] if templated else _without_appended_eos(tokenizer, joint["input_ids"])
+        joint_ids = _without_eos(joint["input_ids"], tokenizer.eos_token_id) if appended_eos and not templated else joint["input_ids"]
         for j, i in enumerate(index):
             n, row_ids = len(prompts[i]), joint_ids[j]
             if row_ids[:n] != prompts[i]:  # a token straddles the prompt's end
@@ -186,13 +189,16 @@ def _response_ids(
     return ids, starts
 
 
-def _without_appended_eos(tokenizer: PreTrainedTokenizerBase, encoded: list[list[int]]) -> list[list[int]]:
-    """``encoded`` less the EOS a tokenizer appends to every encoding with its special tokens (Llama or Mistral
-    saved with ``add_eos_token=True``, a ``<s> $A </s>`` post-processor): a prompt must not end in it (the
-    model would generate after an end of sequence), and a response ends in the one EOS this module appends."""
+def appends_eos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer appends EOS to every encoding with its special tokens (Llama or Mistral saved with
+    ``add_eos_token=True``, a ``<s> $A </s>`` post-processor): a plain prompt must not end in it (the model would
+    generate after an end of sequence), and a response ends in the one EOS :func:`tokenize_rendered` appends."""
     eos = tokenizer.eos_token_id
-    if eos is None or tokenizer("a", add_special_tokens=True)["input_ids"][-1:] != [eos]:
-        return encoded
+    return eos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][-1:] == [eos]
+
+
+def _without_eos(encoded: list[list[int]], eos: int) -> list[list[int]]:
+    """Each encoding less its last token where that is ``eos`` (the one :func:`appends_eos` tokenizers add)."""
     return [ids[:-1] if ids[-1:] == [eos] else ids for ids in encoded]
 
 

@@ -54,7 +54,6 @@ PRETRAIN_MANIFEST = "rm_weak_pretrain_ensemble"
 DISAGREEMENT_TEXTS = "rm_weak_disagreement_texts.jsonl"  # under OUT: rm_weak_disagreement_ensemble.yaml's texts
 SMALL_TEXTS = 32  # --small: unlabelled texts
 POSTERIOR = "rm_weak_posterior"  # under OUT: ppo_overoptimize_posterior.yaml's reward model
-POSTERIOR_PAIRS = 2400  # rm_weak.yaml's split: the first 2,400 rows of prefs_train.jsonl
 POSTERIOR_RIDGE = 1e-3
 SOURCES = {  # source -> the config (and the seed-0 run name) of its PPO run
     "single": "ppo_overoptimize",
@@ -118,13 +117,16 @@ def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> 
                         before=lambda: write_disagreement_texts(out, n))  # fmt: skip
     if record.reused and not (out / DISAGREEMENT_TEXTS).is_file():  # the texts its config names: sampled again
         write_disagreement_texts(out, n)
-    write_posterior(out)
+    write_posterior(out, small)
 
 
-def write_posterior(out: Path) -> Path:
-    """``OUT/rm_weak_posterior``: the weak RM's last-layer posterior on the pairs it was trained on (seconds)."""
-    pairs = out / "assets" / "prefs_train.jsonl"
-    return fit_posterior(out / "rm_weak", pairs, out / POSTERIOR, max_pairs=POSTERIOR_PAIRS, ridge=POSTERIOR_RIDGE)
+def write_posterior(out: Path, small: bool = False) -> Path:
+    """``OUT/rm_weak_posterior``: the weak RM's last-layer posterior on the pairs it was trained on, read by the data
+    module of its own config (``rm_weak.yaml``: the first 2,400 pairs; seconds)."""
+    from lit_rlhf.data import PreferenceDataModule
+
+    data = PreferenceDataModule(**load_config("rm_weak", out, small)["data"]["init_args"])
+    return fit_posterior(out / "rm_weak", data, out / POSTERIOR, ridge=POSTERIOR_RIDGE)
 
 
 def write_disagreement_texts(out: Path, n: int) -> Path:
@@ -145,4 +147,12 @@ def fit_runs(runner: StageRunner, out: Path, small: bool, seeds: list[int], chec
             if run in runner.records:
                 continue
             config = name_run(copy.deepcopy(base), run, seed, ("rng_seed",), out)
-            runner.fit(run, config, _INPUTS[source])
+            runner.fit(run, config, _INPUTS[source], salt=posterior_key(out) if source == "posterior" else "")
+
+
+def posterior_key(out: Path) -> str:
+    """A digest of ``OUT/rm_weak_posterior``'s covariance: a posterior written another way refits its runs on
+    ``--reuse`` (its inputs' keys, SFT's and the weak RM's, would not change)."""
+    import hashlib
+
+    return hashlib.sha256((out / POSTERIOR / "covariance.safetensors").read_bytes()).hexdigest()[:16]
