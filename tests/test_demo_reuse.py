@@ -294,6 +294,41 @@ def test_posterior_runs_refit_when_the_posterior_changes(tmp_path, fits, monkeyp
     assert refitted() == {"ppo_overoptimize_posterior"}
 
 
+def test_ensemble_sources_pick_what_is_fit(tmp_path, fits):
+    """--ensemble posterior fits the posterior's runs beside the single weak RM's on every seed, and none of the
+    ensembles' members or runs; a second call adding a source fits that source's stages only."""
+    out = tmp_path / "demo"
+    manifest = {"args": {**assets.SMALL, "seed": 0}, "max_response_tokens": 1}
+    sources = pipeline.parse_ensemble("posterior")
+    assert sources == ("single", "posterior")
+    pipeline.run_stages(StageRunner(out, reuse=True), out, True, [], [0, 1], True, manifest, ensemble=sources)
+    assert fits == ["sft", "rm", "rm_weak", "ppo_overoptimize", "ppo_overoptimize_posterior",
+                    "ppo_overoptimize_seed1", "ppo_overoptimize_posterior_seed1"]  # fmt: skip
+    fits.clear()
+    sources = pipeline.parse_ensemble("finetune_ensemble,posterior")
+    pipeline.run_stages(StageRunner(out, reuse=True), out, True, [], [0, 1], True, manifest, ensemble=sources)
+    assert fits == ["rm_weak_ensemble", "ppo_overoptimize_ensemble", "ppo_overoptimize_ensemble_seed1"]
+
+
+@pytest.mark.parametrize("text", ["posterior,nope", "", ",", "single,all"])
+def test_unknown_ensemble_sources_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="--ensemble: unknown reward source"):
+        pipeline.parse_ensemble(text)
+
+
+def test_ensemble_sources_on_the_command_line(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(pipeline, "run", lambda out, **kwargs: seen.update(kwargs))
+    pipeline.main(["--out", str(tmp_path), "--ensemble", "posterior,single", "--seeds", "2"])
+    assert seen["ensemble"] == ("single", "posterior")
+    pipeline.main(["--out", str(tmp_path), "--ensemble", "--seeds", "2"])
+    assert seen["ensemble"] == tuple(ensemble_runs.SOURCES)
+    pipeline.main(["--out", str(tmp_path)])
+    assert seen["ensemble"] == ()
+    with pytest.raises(SystemExit):
+        pipeline.main(["--out", str(tmp_path), "--ensemble", "disagreement"])
+
+
 # 8. --kl-sweep coefficients must give distinct run names
 
 

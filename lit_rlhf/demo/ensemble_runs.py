@@ -71,6 +71,18 @@ _INPUTS = {
 }  # fmt: skip
 
 
+def parse_sources(text: str) -> tuple[str, ...]:
+    """``--ensemble``'s comma-separated sources (``all``: every one) in :data:`SOURCES` order, ``single`` always
+    among them (the baseline every source is compared with)."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    if names == {"all"}:
+        return tuple(SOURCES)
+    unknown = sorted(names - set(SOURCES))
+    if unknown or not names:
+        raise ValueError(f"unknown reward source(s) {unknown or [text]}; choose from all, {', '.join(SOURCES)}")
+    return tuple(source for source in SOURCES if source in names | {"single"})
+
+
 def run_name(source: str, seed: int) -> str:
     """The run of ``source`` with training seed ``seed``: its config's name for seed 0, ``..._seed<s>`` else."""
     return SOURCES[source] + ("" if seed == 0 else f"_seed{seed}")
@@ -95,29 +107,36 @@ def write_pretrain_manifest(out: Path) -> Path:
     )
 
 
-def fit_members(runner: StageRunner, out: Path, small: bool, salt: str = "") -> None:
-    """The ensembles' members: ``rm_weak_ensemble``, an SFT backbone and a weak RM per pretrain seed, and
-    ``rm_weak_disagreement_ensemble`` on the SFT policy's unlabelled texts (sampled when that stage fits; its key
-    holds the SFT stage's and the sampling settings); then the weak RM's posterior (:func:`write_posterior`).
+def fit_members(
+    runner: StageRunner, out: Path, small: bool, salt: str = "", sources: tuple[str, ...] = tuple(SOURCES)
+) -> None:
+    """What each of ``sources`` scores with: ``rm_weak_ensemble`` (``finetune_ensemble``), an SFT backbone and a
+    weak RM per pretrain seed (``pretrain_ensemble``), ``rm_weak_disagreement_ensemble`` on the SFT policy's
+    unlabelled texts (sampled when that stage fits; its key holds the SFT stage's and the sampling settings), the
+    weak RM's posterior (``posterior``: :func:`write_posterior`). ``single`` is the weak RM, fit by the demo.
 
     ``salt`` is the main SFT stage's (the assets' arguments): the extra SFT backbones train on the same
     assets, so they re-run, like it, when those change."""
-    runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
-    for k in PRETRAIN_MEMBER_SEEDS:
-        sft = name_run(load_config("sft", out, small), f"sft_seed{k}", k, (), out)
-        sft["model"]["init_args"]["model"]["seed"] = k
-        runner.fit(f"sft_seed{k}", sft, salt=salt)
-        rm = name_run(load_config("rm_weak", out, small), f"rm_weak_sft{k}", k, (), out)
-        rm["model"]["init_args"]["model"].update(name_or_path=str(out / f"sft_seed{k}"), seed=k)
-        runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))
-    write_pretrain_manifest(out)
-    n = SMALL_TEXTS if small else N_TEXTS
-    record = runner.fit("rm_weak_disagreement_ensemble", load_config("rm_weak_disagreement_ensemble", out, small),
-                        ("sft",), salt=f"texts={n},{TEMPERATURE},{FORCED_SHARE},{MIN_NEW_TOKENS},{MAX_NEW_TOKENS}",
-                        before=lambda: write_disagreement_texts(out, n))  # fmt: skip
-    if record.reused and not (out / DISAGREEMENT_TEXTS).is_file():  # the texts its config names: sampled again
-        write_disagreement_texts(out, n)
-    write_posterior(out, small)
+    if "finetune_ensemble" in sources:
+        runner.fit("rm_weak_ensemble", load_config("rm_weak_ensemble", out, small), ("sft",))
+    if "pretrain_ensemble" in sources:
+        for k in PRETRAIN_MEMBER_SEEDS:
+            sft = name_run(load_config("sft", out, small), f"sft_seed{k}", k, (), out)
+            sft["model"]["init_args"]["model"]["seed"] = k
+            runner.fit(f"sft_seed{k}", sft, salt=salt)
+            rm = name_run(load_config("rm_weak", out, small), f"rm_weak_sft{k}", k, (), out)
+            rm["model"]["init_args"]["model"].update(name_or_path=str(out / f"sft_seed{k}"), seed=k)
+            runner.fit(f"rm_weak_sft{k}", rm, ("sft", f"sft_seed{k}"))
+        write_pretrain_manifest(out)
+    if "disagreement_ensemble" in sources:
+        n = SMALL_TEXTS if small else N_TEXTS
+        record = runner.fit("rm_weak_disagreement_ensemble", load_config("rm_weak_disagreement_ensemble", out, small),
+                            ("sft",), salt=f"texts={n},{TEMPERATURE},{FORCED_SHARE},{MIN_NEW_TOKENS},{MAX_NEW_TOKENS}",
+                            before=lambda: write_disagreement_texts(out, n))  # fmt: skip
+        if record.reused and not (out / DISAGREEMENT_TEXTS).is_file():  # the texts its config names: sampled again
+            write_disagreement_texts(out, n)
+    if "posterior" in sources:
+        write_posterior(out, small)
 
 
 def write_posterior(out: Path, small: bool = False) -> Path:
@@ -134,13 +153,16 @@ def write_disagreement_texts(out: Path, n: int) -> Path:
     return write_texts(unlabelled_texts(out, n)[0], out / DISAGREEMENT_TEXTS)
 
 
-def fit_runs(runner: StageRunner, out: Path, small: bool, seeds: list[int], check) -> None:
-    """Every source's PPO run for every seed (the single weak RM's seed 0, run by the demo itself, excepted).
+def fit_runs(
+    runner: StageRunner, out: Path, small: bool, seeds: list[int], check, sources: tuple[str, ...] = tuple(SOURCES)
+) -> None:
+    """The PPO run of each of ``sources`` for every seed (the single weak RM's seed 0, run by the demo itself,
+    excepted).
 
     ``check`` is called with {run: config} of each source's config before anything trains
     (``pipeline.check_online_configs``)."""
-    configs = {source: load_config(config, out, small) for source, config in SOURCES.items()}
-    check(dict(zip(SOURCES.values(), configs.values())))
+    configs = {source: load_config(SOURCES[source], out, small) for source in sources}
+    check({SOURCES[source]: config for source, config in configs.items()})
     for seed in seeds:
         for source, base in configs.items():
             run = run_name(source, seed)

@@ -1,7 +1,7 @@
 """The offline demo, end to end: assets -> SFT -> reward model -> algorithms -> evaluation -> report.
 
     python -m lit_rlhf.demo.pipeline --out runs/demo [--algorithms ppo,...] [--seeds N|S1,S2,...]
-        [--reuse] [--small] [--no-overoptimize] [--ensemble] [--kl-sweep C1,C2,...] [--threads N]
+        [--reuse] [--small] [--no-overoptimize] [--ensemble [SOURCES]] [--kl-sweep C1,C2,...] [--threads N]
 
 1. builds the demo assets into ``OUT/assets`` (skipped when built before with the same settings);
 2. runs the fits through the CLI, ``lit-rlhf fit --config OUT/configs/<run>.yaml``, where each config is
@@ -27,8 +27,11 @@ proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a wea
 ``--ensemble`` adds three ensembles of three weak reward models trained on the same pairs, one on the one
 SFT backbone (``rm_weak_ensemble.yaml``), one on SFT backbones pre-trained with three seeds, one on the one
 backbone trained to disagree on unlabelled text (``rm_weak_disagreement_ensemble.yaml``), and the same PPO
-run against each one's mean minus one standard deviation (Coste et al. 2024), every source once per seed of
-``--seeds`` (:mod:`lit_rlhf.demo.ensemble_runs`), plotted with the single weak model's run.
+run against each one's mean minus one standard deviation (Coste et al. 2024) and against the weak RM less
+two spreads of its last-layer posterior, every source once per seed of ``--seeds``
+(:mod:`lit_rlhf.demo.ensemble_runs`), plotted with the single weak model's run. ``--ensemble posterior`` (a
+comma-separated list of :data:`~lit_rlhf.demo.ensemble_runs.SOURCES`) runs those sources only, beside the
+single weak RM on every seed.
 ``--kl-sweep`` adds the over-optimisation run at each of those fixed KL coefficients, for each training seed,
 and plots the final policies' gold and proxy rewards against their KL (:mod:`lit_rlhf.demo.kl_sweep`).
 """
@@ -90,6 +93,14 @@ def parse_threads(text: str) -> int:
     return threads
 
 
+def parse_ensemble(text: str) -> tuple[str, ...]:
+    """``--ensemble``'s reward sources (:func:`lit_rlhf.demo.ensemble_runs.parse_sources`)."""
+    try:
+        return ensemble_runs.parse_sources(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--ensemble: {err}") from None
+
+
 def parse_kl_sweep(text: str) -> list[float]:
     """``--kl-sweep``: distinct positive KL coefficients (:func:`lit_rlhf.demo.kl_sweep.parse_coefs`)."""
     try:
@@ -116,9 +127,11 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
 
 def run_stages(
     runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
-    manifest: dict, ensemble: bool = False, sweep_coefs: Sequence[float] = (),
+    manifest: dict, ensemble: Sequence[str] | bool = (), sweep_coefs: Sequence[float] = (),
 ) -> dict[str, list[StageRecord]]:  # fmt: skip
-    """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order)."""
+    """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order). ``ensemble``:
+    the reward sources of ``--ensemble`` (``True``: every one)."""
+    sources = tuple(ensemble_runs.SOURCES) if ensemble is True else tuple(ensemble or ())
     salt = json.dumps(manifest["args"], sort_keys=True)
     runner.fit("sft", load_config("sft", out, small), salt=salt)
     runner.fit("rm", load_config("rm", out, small), ("sft",))
@@ -135,10 +148,10 @@ def run_stages(
         over = load_config("ppo_overoptimize", out, small)
         check_online_configs({"ppo_overoptimize": over}, manifest["max_response_tokens"])
         runner.fit("ppo_overoptimize", over, ("sft", "rm_weak"))
-        if ensemble:  # the three reward sources' runs, every seed (lit_rlhf.demo.ensemble_runs)
-            ensemble_runs.fit_members(runner, out, small, salt)
+        if sources:  # the reward sources' runs, every seed (lit_rlhf.demo.ensemble_runs)
+            ensemble_runs.fit_members(runner, out, small, salt, sources)
             check = functools.partial(check_online_configs, max_response_tokens=manifest["max_response_tokens"])
-            ensemble_runs.fit_runs(runner, out, small, seeds, check)
+            ensemble_runs.fit_runs(runner, out, small, seeds, check, sources)
         for coef in sweep_coefs:
             for seed in seeds:
                 run, config = kl_sweep.sweep_config(load_config(kl_sweep.BASE, out, small), coef, seed, out)
@@ -179,7 +192,7 @@ def evaluate_all(out: Path, runner: StageRunner, algorithm_runs: dict[str, list[
         results[name] = [
             evaluate.evaluate_reward_model(member, out / "assets" / "prefs_val.jsonl") for member in members
         ]
-    if "rm_weak_ensemble" in runner.records:
+    if f"rm_weak_sft{ensemble_runs.PRETRAIN_MEMBER_SEEDS[0]}" in runner.records:
         results[ensemble_runs.PRETRAIN_MANIFEST] = [results["rm_weak"]] + [
             evaluate.evaluate_reward_model(out / f"rm_weak_sft{k}", out / "assets" / "prefs_val.jsonl")
             for k in ensemble_runs.PRETRAIN_MEMBER_SEEDS
@@ -194,7 +207,7 @@ def run(
     *,
     small: bool = False,
     overoptimize: bool = True,
-    ensemble: bool = False,
+    ensemble: Sequence[str] | bool = (),
     kl_sweep_coefs: Sequence[float] = (),
     seed: int = 0,
     algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
@@ -264,11 +277,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--ensemble",
-        action="store_true",
-        help="with the over-optimisation demo, also three weak-RM ensembles (3 members on one SFT backbone; 3 on"
-        " backbones of 3 seeds; 3 trained to disagree off the pairs; mean - std) and the run against each source"
-        " for every seed of --seeds (which"
-        " must include 0)",
+        type=parse_ensemble,
+        nargs="?",
+        const=tuple(ensemble_runs.SOURCES),
+        default=(),
+        metavar="SOURCES",
+        help="with the over-optimisation demo, also its run against other reward sources learnt from the weak RM's"
+        " pairs, every seed of --seeds (which must include 0): three weak-RM ensembles (3 members on one SFT"
+        " backbone; 3 on backbones of 3 seeds; 3 trained to disagree off the pairs; mean - std) and the weak RM's"
+        " last-layer posterior; SOURCES, comma-separated, picks some of "
+        f"{','.join(ensemble_runs.SOURCES)} (default all; the single weak RM always runs)",
     )
     parser.add_argument(
         "--kl-sweep",
