@@ -129,10 +129,13 @@ def fit_posterior(reward_model: str | Path | ModelSpec, data: Any, out: str | Pa
 
 
 def read_posterior(folder: str | Path) -> Posterior:
-    """The checked posterior folder (``FileNotFoundError``/``ValueError`` naming it and what is wrong)."""
+    """The checked posterior folder, or its ``posterior.json`` (``FileNotFoundError``/``ValueError`` naming it and
+    what is wrong)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
+    if folder.name == POSTERIOR_MANIFEST and folder.is_file():  # the manifest itself (what fit_posterior returns)
+        folder = folder.parent
     where = f"reward_model.posterior: {folder}"
     path = folder / POSTERIOR_MANIFEST
     if not path.is_file():

@@ -7,7 +7,8 @@
 ``--runs`` (comma-separated; one launch runs them in turn, each from ``seed_everything(0)``): ``ppo``, a
 reward-model fit and PPO fits (full fine-tuning with a separate critic; LoRA with a shared backbone);
 ``grpo``, a GRPO fit (K = 2 sampled responses per prompt); ``multiturn``, a GRPO fit on episodes that end
-at a different turn on each rank; ``dpo``, DPO fits (live and precomputed
+at a different turn on each rank; ``posterior``, a GRPO fit against ``--posterior`` (a reward model's
+last-layer posterior); ``dpo``, DPO fits (live and precomputed
 reference); under ``--resume`` also PPO saved after one rollout and resumed. Every run uses the same
 global batch whatever the world size; rank 0 writes ``OUT_DIR/results.json`` with the logged metrics,
 the first rollout's greedy responses (keyed by prompt) and the wall time per rollout, after releasing its
@@ -295,10 +296,9 @@ GRPO_KEYS = (
 
 def grpo_module(args, samples: dict | None = None, cls: type = None, **extra) -> RowSeededGRPO:
     """The GRPO of these tests (K = 2); ``samples``: its sample-table settings (default: none); ``cls``:
-    another module class (default RowSeededGRPO), ``extra``: more arguments."""
-    return (cls or RowSeededGRPO)(**extra,
+    another module class (default RowSeededGRPO), ``extra``: more arguments (or another ``reward_fn``)."""
+    return (cls or RowSeededGRPO)(**{"reward_fn": "ppo_rewards:e_rate", **extra},
         actor=ModelSpec(config=llama_config(), tokenizer=args.tokenizer, seed=0),
-        reward_fn="ppo_rewards:e_rate",
         generation=GenerationSettings(max_new_tokens=6, num_samples=2),
         update={"epochs": 2, "num_minibatches": 1, "loss_aggregation": "seq_mean_token_mean"},
         scoring={"forward_batch_size": 4},
@@ -325,6 +325,19 @@ def run_multiturn(args, tok) -> dict:
     make_trainer(args, "multiturn", max_epochs=1).fit(module, prompt_loader(args, tok))
     rows = [r for r in read_csv(args.out, "multiturn") if "rollout/turns" in r]
     return {"turns": [r["rollout/turns"] for r in rows]}
+
+
+POSTERIOR_KEYS = ("rollout/score", "rollout/reward/score", "rollout/reward/uncertainty", "policy/policy_loss")
+
+
+def run_posterior(args, tok) -> dict:
+    """GRPO against ``--posterior``, a reward model's last-layer posterior (its score less one spread): the reward
+    model is sharded with the actor, and the spread is read from its head's input on each rank's own rows."""
+    seed_everything(0)
+    module = grpo_module(args, reward_fn=None, reward_model={"posterior": args.posterior, "coef": 1.0})
+    make_trainer(args, "posterior", max_epochs=2).fit(module, prompt_loader(args, tok))
+    rows = [r for r in read_csv(args.out, "posterior") if "rollout/reward/uncertainty" in r]
+    return {"metrics": {key: [r[key] for r in rows] for key in POSTERIOR_KEYS}}
 
 
 # -- DPO ---------------------------------------------------------------------------------------------
@@ -373,11 +386,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--runs", default="ppo", help="comma-separated, in this order: ppo (RM + PPO runs), grpo, dpo")
+    parser.add_argument("--runs", default="ppo", help="comma-separated, in this order: ppo (RM + PPO runs), grpo,"
+                        " multiturn, posterior, dpo")
+    parser.add_argument("--posterior", help="a lit_rlhf.posterior folder (the posterior run's reward model)")
     args = parser.parse_args()
     runs = args.runs.split(",")
-    if not runs or not set(runs) <= {"ppo", "grpo", "dpo", "multiturn"}:
-        parser.error(f"--runs: a comma-separated list of ppo, grpo, dpo, multiturn, got {args.runs!r}")
+    if not runs or not set(runs) <= {"ppo", "grpo", "dpo", "multiturn", "posterior"}:
+        parser.error(f"--runs: a comma-separated list of ppo, grpo, dpo, multiturn, posterior, got {args.runs!r}")
+    if "posterior" in runs and not args.posterior:
+        parser.error("--runs posterior needs --posterior")
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(args.tokenizer)
@@ -392,6 +409,8 @@ def main() -> None:
         results["grpo"] = run_grpo(args, tok)
     if "multiturn" in runs:
         results["multiturn"] = run_multiturn(args, tok)
+    if "posterior" in runs:
+        results["posterior"] = run_posterior(args, tok)
     if "dpo" in runs:
         results["dpo"] = run_dpo(args, "dpo", False)
         results["dpo_precomputed"] = run_dpo(args, "dpo_pre", True)

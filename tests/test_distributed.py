@@ -1,8 +1,8 @@
 """RM, PPO and DPO under DDP, FSDP2 (ModelParallelStrategy) and FSDP1 with two CPU processes (gloo).
 
 Each strategy runs ``tests/distributed_worker.py`` once under ``torch.distributed.run`` (RM fit, a
-two-member RM ensemble fit with gradient clipping except under FSDP1, PPO fit, LoRA PPO fit; DDP and FSDP2 DPO fits; FSDP2 also a GRPO fit, and PPO saved sharded after one
-rollout and resumed); the single-process run of the same script with the same global batch is the
+two-member RM ensemble fit with gradient clipping except under FSDP1, PPO fit, LoRA PPO fit; DDP and FSDP2 DPO fits; FSDP2 also a GRPO fit, one against a reward model's
+last-layer posterior, and PPO saved sharded after one rollout and resumed); the single-process run of the same script with the same global batch is the
 reference. Every worker ends by
 releasing its process groups and fails if a gloo worker thread is still running then (such a thread
 used to abort a rank at interpreter exit: ``lit_rlhf/process_groups.py``); a launch running past
@@ -26,12 +26,35 @@ WORKER = Path(__file__).parent / "distributed_worker.py"
 STRATEGIES = ["ddp", "fsdp2", "fsdp1"]
 TOL = 1e-4
 # the worker's runs per launch (each strategy launched once: a launch's start-up costs ~6 s of two cores)
-RUNS = {"single": "ppo,grpo,dpo", "ddp": "ppo,dpo", "fsdp2": "ppo,grpo,multiturn,dpo", "fsdp1": "ppo"}
+RUNS = {"single": "ppo,grpo,posterior,dpo", "ddp": "ppo,dpo", "fsdp2": "ppo,grpo,multiturn,posterior,dpo", "fsdp1": "ppo"}
 TIMEOUT = 400  # seconds per launch (~20-50 s each on two busy cores): a hang fails the test, killed
 
 
 @pytest.fixture(scope="module")
-def run(tokenizer_dir, tmp_path_factory):
+def posterior_dir(tokenizer_dir, tmp_path_factory) -> str:
+    """A reward model (random, its head seeded) and its last-layer posterior on 24 pairs: the posterior runs'
+    reward source."""
+    from conftest import llama_config
+
+    from lit_rlhf.data import PreferenceDataModule
+    from lit_rlhf.models import ModelSpec, build_score_model, load_tokenizer
+    from lit_rlhf.posterior import fit_posterior
+
+    folder = tmp_path_factory.mktemp("posterior")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = build_score_model(ModelSpec(config=llama_config(), tokenizer=tokenizer_dir, seed=7), tokenizer)
+    model.save_pretrained(folder / "rm")
+    tokenizer.save_pretrained(folder / "rm")
+    rows = [{"prompt": f"review {i}:", "chosen": " good" * (1 + i % 3), "rejected": " bad e" * (1 + i % 2)}
+            for i in range(24)]  # fmt: skip
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = PreferenceDataModule(tokenizer_dir, str(folder / "pairs.jsonl"), max_length=32, max_prompt_length=16,
+                                batch_size=8)  # fmt: skip
+    return str(fit_posterior(folder / "rm", data, folder / "posterior"))
+
+
+@pytest.fixture(scope="module")
+def run(tokenizer_dir, posterior_dir, tmp_path_factory):
     """strategy -> the worker's results.json (one launch per strategy and module, its ``RUNS`` in turn)."""
     cache: dict[str, dict] = {}
 
@@ -43,6 +66,7 @@ def run(tokenizer_dir, tmp_path_factory):
                 launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
             cmd = [*launch, str(WORKER), "--strategy", strategy, "--tokenizer", tokenizer_dir, "--out", str(out)]
             cmd += ["--runs", RUNS[strategy]] + (["--resume"] if strategy == "fsdp2" else [])
+            cmd += ["--posterior", posterior_dir] if "posterior" in RUNS[strategy] else []
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             proc = run_launch(cmd, env, TIMEOUT, f"{strategy} launch ({RUNS[strategy]})")
             # torchrun prefixes each rank's own traceback with [rankN]: show those, and the launcher's summary
@@ -120,6 +144,16 @@ def test_fsdp2_grpo_equals_single_process(run):
     for key, values in expected.items():
         assert_close_lists(actual[key], values, f"fsdp2 grpo {key}")
     assert actual["rollout/kl_ref"][2] > 0.01, "the policy moved"
+
+
+def test_fsdp2_posterior_reward_equals_single_process(run):
+    # the posterior's reward model sharded like the actor: its score, its spread (read from the sharded head's
+    # input) and the total the policy optimises are each rank's rows of the single process's
+    expected, actual = run("single")["posterior"]["metrics"], run("fsdp2")["posterior"]["metrics"]
+    assert len(expected["rollout/reward/uncertainty"]) == 2
+    assert all(u > 0 for u in expected["rollout/reward/uncertainty"]), "the spread is measured"
+    for key, values in expected.items():
+        assert_close_lists(actual[key], values, f"fsdp2 posterior {key}")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

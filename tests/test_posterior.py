@@ -175,6 +175,9 @@ def test_posterior_folders_are_checked(posterior_dir, tmp_path):
         (moved / name).write_bytes((posterior_dir / name).read_bytes())
     with pytest.raises(FileNotFoundError, match="its reward model .* is not there"):
         read_posterior(moved)
+    # the manifest's own path (what fit_posterior returns) names the same posterior as its folder
+    by_file, by_folder = read_posterior(posterior_dir / "posterior.json"), read_posterior(posterior_dir)
+    assert by_file.reward_model == by_folder.reward_model and torch.equal(by_file.covariance, by_folder.covariance)
 
 
 def test_the_command_line_writes_the_folder_and_refuses_bad_arguments(reward_model_dir, tiny_data_dir, tmp_path, capsys):
