@@ -42,6 +42,7 @@ lint: venv
 	$(VENV)/bin/ruff check lit_rlhf tests scripts
 
 # pytest exits 5 when it collects no test: that is a failure here too, with a clear message.
+# --durations=15 prints the suite's 15 slowest tests and fixtures: where its time goes (make test stays < 15 min).
 # The vLLM environment builds while the main suite runs; scripts/vllm_env.sh exits 3 where vLLM cannot
 # run (the one line printed then says why, and the rest of the run decides the result). Under make test the
 # vLLM tests start as soon as their environment is ready, in one process beside the main suite (which
@@ -63,7 +64,7 @@ suite:
 	else \
 	  scripts/vllm_env.sh $(VLLM_VENV) > $(VLLM_VENV).log 2>&1 & \
 	fi; bg_pid=$$!; \
-	$(PY) -m pytest -m "$(MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "$(MARKERS)" -n $(PYTEST_WORKERS) --dist loadfile -q --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; fi; \
 	wait $$bg_pid; bg_rc=$$?; \
 	if [ "$(VLLM_BESIDE)" = 1 ]; then \
