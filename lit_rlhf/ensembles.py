@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
+import yaml
+
 from lit_rlhf.functional.ensembles import ENSEMBLE_AGGREGATIONS
 from lit_rlhf.models.spec import ModelSpec
 from lit_rlhf.posterior import PosteriorReward
@@ -182,6 +184,22 @@ def is_ensemble_folder(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / ENSEMBLE_MANIFEST).is_file()
 
 
+def _typed_overrides(value: dict) -> dict:
+    """``value`` with a command-line override's text read as YAML would read it (``--model.init_args.reward_model.
+    coef=0`` reaches the dict as the string ``"0"``: ``reward_model`` is a dict argument, whose fields jsonargparse
+    does not type): ``coef`` a number, ``normalize`` a bool, where the text is one; other text is left to the checks."""
+    out = dict(value)
+    for key, kinds in (("coef", (int, float)), ("normalize", (bool,))):
+        if isinstance(out.get(key), str):
+            try:
+                parsed = yaml.safe_load(out[key])
+            except yaml.YAMLError:
+                continue
+            if isinstance(parsed, kinds) and (bool in kinds or not isinstance(parsed, bool)):
+                out[key] = parsed
+    return out
+
+
 def coerce_reward_model(
     value: Any, argument: str = "reward_model"
 ) -> ModelSpec | RewardEnsemble | PosteriorReward | None:
@@ -193,6 +211,8 @@ def coerce_reward_model(
     """
     if value is None or isinstance(value, (RewardEnsemble, PosteriorReward)):
         return value
+    if isinstance(value, dict):
+        value = _typed_overrides(value)
     if isinstance(value, dict) and "posterior" in value:  # a reward model's last-layer posterior
         return PosteriorReward.coerce(value, argument)
     if isinstance(value, dict) and {"ensemble", "aggregation", "coef"} & set(value):

@@ -70,13 +70,33 @@ class PosteriorReward(Settings):
 
 @dataclass
 class Posterior:
-    """A read posterior folder: the reward model's spec, the (H, H) covariance, and the width's scale."""
+    """A read posterior folder: the reward model's spec, the (H, H) covariance, the width's scale, and the (H,)
+    response of the score head it was fit with (:func:`head_response`; None in a folder written before it was kept)."""
 
     reward_model: ModelSpec
     covariance: torch.Tensor
     score_std: float
     width_mean: float
     folder: Path
+    head: torch.Tensor | None = None
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a reward model whose head does not take the covariance's H features, or (where the folder keeps
+        it) whose head differs from the one the posterior was fit with: the reward model retrained since, in place
+        (its spreads would measure another model's features)."""
+        where = f"reward_model.posterior: {self.folder}"
+        hidden = self.covariance.shape[0]
+        try:
+            response = head_response(model, hidden)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"{where}: its reward model {self.reward_model.name_or_path} does not take the "
+                             f"covariance's {hidden} features ({err})") from err  # fmt: skip
+        if self.head is not None:
+            if not torch.allclose(response, self.head, rtol=1e-2, atol=1e-2 * float(self.head.abs().max())):
+                raise ValueError(
+                    f"{where}: its reward model {self.reward_model.name_or_path} has another score head than the one "
+                    "the posterior was fit with (retrained since?); refit it with python -m lit_rlhf.posterior"
+                )
 
     def spread(self, features: torch.Tensor) -> torch.Tensor:
         """(B, H) features -> (B,) ``s * u / mean_train(u)``, in score units."""
@@ -104,8 +124,10 @@ def fit_posterior(reward_model: str | Path | ModelSpec, data: Any, out: str | Pa
     from torch.utils.data import DataLoader
 
     from lit_rlhf.models import build_score_model, load_tokenizer, sequence_scores_and_features
+    from lit_rlhf.rewards import check_trained_head  # (rewards imports this module)
 
     spec = ModelSpec.coerce(str(reward_model) if isinstance(reward_model, Path) else reward_model, "reward_model")
+    check_trained_head(spec, f"reward_model {spec.name_or_path!r}")
     tokenizer = load_tokenizer(spec.tokenizer_name_or_path, trust_remote_code=spec.trust_remote_code)
     model = build_score_model(spec, tokenizer).eval()
     if data.train_dataset is None:
@@ -116,7 +138,8 @@ def fit_posterior(reward_model: str | Path | ModelSpec, data: Any, out: str | Pa
     covariance = torch.linalg.inv(F.feature_precision(phi, ridge))  # (H, H) float64
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({"covariance": covariance.contiguous()}, str(out / COVARIANCE_FILE))
+    head = head_response(model, covariance.shape[0])  # (H,): what read_posterior's reward model must still have
+    save_file({"covariance": covariance.contiguous(), "head": head.contiguous()}, str(out / COVARIANCE_FILE))
     manifest = {
         # relative to the folder where it can be (the two folders move together, as an ensemble's members do)
         "format": MANIFEST_FORMAT, "version": 1, "reward_model": os.path.relpath(Path(spec.name_or_path).resolve(), out.resolve()),
@@ -152,13 +175,36 @@ def read_posterior(folder: str | Path) -> Posterior:
             raise ValueError(f"{where}: {POSTERIOR_MANIFEST}'s {key} must be a number > 0, got {value!r}")
     if not (folder / COVARIANCE_FILE).is_file():
         raise FileNotFoundError(f"{where}: no {COVARIANCE_FILE} beside {POSTERIOR_MANIFEST}")
-    covariance = load_file(str(folder / COVARIANCE_FILE))["covariance"]
+    try:
+        tensors = load_file(str(folder / COVARIANCE_FILE))
+    except Exception as err:  # safetensors raises its own error types for a truncated or foreign file
+        raise ValueError(f"{where}: {COVARIANCE_FILE} cannot be read ({err})") from err
+    covariance, head = tensors.get("covariance"), tensors.get("head")
+    if covariance is None or covariance.dim() != 2 or covariance.shape[0] != covariance.shape[1]:
+        shape = None if covariance is None else tuple(covariance.shape)
+        raise ValueError(f"{where}: {COVARIANCE_FILE} must hold an (H, H) `covariance`, got {shape}")
+    if not bool(torch.isfinite(covariance).all()):
+        raise ValueError(f"{where}: {COVARIANCE_FILE}'s covariance has non-finite values")
+    if head is not None and tuple(head.shape) != (covariance.shape[0],):
+        raise ValueError(f"{where}: {COVARIANCE_FILE}'s head must be ({covariance.shape[0]},), got {tuple(head.shape)}")
     model = Path(manifest.get("reward_model", ""))
     model = model if model.is_absolute() else (folder / model).resolve()
     if not model.is_dir():
         raise FileNotFoundError(f"{where}: its reward model {model} is not there")
     return Posterior(ModelSpec(name_or_path=str(model)), covariance, float(manifest["score_std"]),
-                     float(manifest["width_mean"]), folder)  # fmt: skip
+                     float(manifest["width_mean"]), folder, None if head is None else head.float())  # fmt: skip
+
+
+@torch.no_grad()
+def head_response(model: torch.nn.Module, hidden: int) -> torch.Tensor:
+    """(H,) float32: the reward model's score head on each of the H unit features (its weights plus its bias),
+    through whatever wraps it (peft, a dtype): what identifies the head a posterior was fit with."""
+    from lit_rlhf.models import score_head
+
+    head = score_head(model)
+    weight = next(head.parameters())
+    probe = torch.eye(hidden, dtype=weight.dtype, device=weight.device)  # (H, H)
+    return head(probe).float().reshape(hidden).cpu()  # (H,)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -207,6 +207,7 @@ class RewardSource(torch.nn.Module):
         check_trained_head(spec, f"reward_model.posterior {settings.posterior}'s reward model")
         model_tokenizer = load_tokenizer(spec.name_or_path)
         self.model = frozen_copy(build_score_model(spec, model_tokenizer))
+        self.posterior.check_model(self.model)
         self.model_spec = spec
         self.description = f"reward_model {spec.name_or_path} less {settings.coef:g} x its last-layer spread"
         return model_tokenizer

@@ -188,6 +188,36 @@ def test_one_field_of_a_group_on_the_command_line_keeps_the_others_and_null_sets
     assert model["update"]["clip_coef_high"] is None and model["update"]["epochs"] == 4
 
 
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("{ensemble: [a, b], coef: -1}", "error: reward_model.coef must be a finite number >= 0 or None, got -1"),
+        ("{ensemble: [a]}", "error: reward_model.ensemble must be at least 2 members"),
+        ("{posterior: p, coef: -1}", "error: reward_model.coef must be a finite number >= 0, got -1"),
+    ],
+    ids=["ensemble-coef", "ensemble-members", "posterior-coef"],
+)
+def test_a_bad_reward_model_setting_is_one_error_line_before_any_model_loads(workdir, value, expected):
+    # before: an ensemble's was three chained jsonargparse tracebacks (exit 1) around the message; and the actor,
+    # which this clone has not exported, loaded (or failed) first
+    proc = lit_rlhf(workdir, "fit", "--config", str(ROOT / "configs/grpo_tiny.yaml"),
+                    f"--model.init_args.reward_model={value}")  # fmt: skip
+    assert error_line(proc).startswith(expected)
+
+
+def test_one_field_of_a_reward_model_dict_on_the_command_line(workdir):
+    # a posterior's coef overridden alone keeps its folder and is read as a number (before: taken for a field of
+    # RewardEnsemble, "expected dict or str or None, got Namespace(...)")
+    args = ("fit", "--config", str(ROOT / "configs/ppo_posterior_tiny.yaml"), "--print_config")
+    proc = lit_rlhf(workdir, *args, "--model.init_args.reward_model.coef=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    value = yaml.safe_load(proc.stdout)["model"]["init_args"]["reward_model"]
+    assert value["posterior"] == "runs/rm_tiny/posterior" and str(value["coef"]) == "0"
+    from lit_rlhf.ensembles import coerce_reward_model
+
+    assert coerce_reward_model(value).coef == 0.0
+
+
 def test_null_fields_become_the_json_form_of_their_group():
     from lit_rlhf.cli import null_fields_as_json
 

@@ -27,10 +27,16 @@ from lit_rlhf.demo import (
 from lit_rlhf.demo.stages import StageRecord, StageRunner
 
 
-def _stand_in_posterior(out: Path, small: bool = False) -> None:
+def _stand_in_posterior(out: Path, small: bool = False, covariance: torch.Tensor | None = None) -> None:
+    """A posterior folder read_posterior accepts (its reward model: the folder itself), of ``covariance``."""
+    from safetensors.torch import save_file
+
     folder = out / ensemble_runs.POSTERIOR
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "covariance.safetensors").write_bytes(b"stand-in")
+    manifest = {"format": "lit_rlhf.last_layer_posterior", "reward_model": ".", "score_std": 1.0, "width_mean": 1.0}
+    (folder / "posterior.json").write_text(json.dumps(manifest))
+    save_file({"covariance": torch.eye(3, dtype=torch.float64) if covariance is None else covariance},
+              str(folder / "covariance.safetensors"))  # fmt: skip
 
 
 @pytest.fixture
@@ -272,13 +278,12 @@ def test_ensemble_sft_backbones_rerun_when_the_assets_change(tmp_path, fits):
 
 def test_posterior_runs_refit_when_the_posterior_changes(tmp_path, fits, monkeypatch):
     """The posterior's PPO runs have the same inputs (SFT, weak RM) whatever the posterior holds: its covariance's
-    digest is in their key, so a posterior written another way refits them on --reuse (and only them)."""
-    out, covariance = tmp_path / "demo", b"stand-in"
+    digest is in their key, so a posterior written another way refits them on --reuse (and only them); rounded to 6
+    digits, so one refit with another thread count (1e-12 apart) does not."""
+    out, covariance = tmp_path / "demo", torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
 
     def write(out: Path, small: bool = False) -> None:
-        folder = out / ensemble_runs.POSTERIOR
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "covariance.safetensors").write_bytes(covariance)
+        _stand_in_posterior(out, small, covariance)
 
     monkeypatch.setattr(ensemble_runs, "write_posterior", write)
 
@@ -290,7 +295,9 @@ def test_posterior_runs_refit_when_the_posterior_changes(tmp_path, fits, monkeyp
 
     assert "ppo_overoptimize_posterior" in refitted()
     assert refitted() == set()
-    covariance = b"another"
+    covariance = covariance * (1 + 1e-12)  # fit again with another thread count: float rounding only
+    assert refitted() == set()
+    covariance = covariance * torch.tensor([[1.0, 1.001], [1.001, 1.0]], dtype=torch.float64)  # another posterior
     assert refitted() == {"ppo_overoptimize_posterior"}
 
 
@@ -310,9 +317,13 @@ def test_ensemble_sources_pick_what_is_fit(tmp_path, fits):
     assert fits == ["rm_weak_ensemble", "ppo_overoptimize_ensemble", "ppo_overoptimize_ensemble_seed1"]
 
 
-@pytest.mark.parametrize("text", ["posterior,nope", "", ",", "single,all"])
-def test_unknown_ensemble_sources_are_refused(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="--ensemble: unknown reward source"):
+@pytest.mark.parametrize(
+    "text, message",
+    [("posterior,nope", "unknown reward source\\(s\\) \\['nope'\\]"), ("", "unknown"), (",", "unknown"),
+     ("single,all", "`all` is every source and stands alone")],
+)  # fmt: skip
+def test_unknown_ensemble_sources_are_refused(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"--ensemble: {message}"):
         pipeline.parse_ensemble(text)
 
 

@@ -180,6 +180,64 @@ def test_posterior_folders_are_checked(posterior_dir, tmp_path):
     assert by_file.reward_model == by_folder.reward_model and torch.equal(by_file.covariance, by_folder.covariance)
 
 
+def _copy(posterior_dir: Path, to: Path, reward_model: str | None = None) -> Path:
+    """A copy of the posterior folder (its reward model another, where given)."""
+    to.mkdir()
+    manifest = json.loads((posterior_dir / "posterior.json").read_text())
+    manifest["reward_model"] = reward_model or str((posterior_dir / manifest["reward_model"]).resolve())
+    (to / "posterior.json").write_text(json.dumps(manifest))
+    (to / "covariance.safetensors").write_bytes((posterior_dir / "covariance.safetensors").read_bytes())
+    return to
+
+
+def test_a_damaged_covariance_is_named_with_its_folder(posterior_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(posterior_dir / "covariance.safetensors"))
+    cases = {
+        "truncated": (lambda f: f.write_bytes(f.read_bytes()[:100]), "covariance.safetensors cannot be read"),
+        "no key": (lambda f: save_file({"other": tensors["covariance"]}, str(f)), "covariance.safetensors must hold an \\(H, H\\) `covariance`, got None"),
+        "not square": (lambda f: save_file({"covariance": tensors["covariance"][:3]}, str(f)), "covariance.safetensors must hold an .* got \\(3, 32\\)"),
+        "nan": (lambda f: save_file({"covariance": tensors["covariance"] * float("nan")}, str(f)), "covariance.safetensors.s covariance has non-finite values"),
+    }  # fmt: skip
+    for name, (damage, message) in cases.items():
+        folder = _copy(posterior_dir, tmp_path / name.replace(" ", "_"))
+        damage(folder / "covariance.safetensors")
+        with pytest.raises(ValueError, match=f"reward_model.posterior: {folder}: {message}"):
+            read_posterior(folder)
+
+
+def test_a_reward_model_the_posterior_was_not_fit_on_is_refused(posterior_dir, reward_model_dir, tokenizer_dir, tmp_path):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    wider = tmp_path / "wider"  # another hidden size than the covariance's (before: a shape error at the first rollout)
+    config = {**gpt2_config(), "n_embd": 48}
+    build_score_model(ModelSpec(config=config, tokenizer=tokenizer_dir, seed=7), tokenizer).save_pretrained(wider)
+    tokenizer.save_pretrained(wider)
+    folder = _copy(posterior_dir, tmp_path / "wide_posterior", str(wider))
+    with pytest.raises(ValueError, match="does not take the covariance's 32 features"):
+        RewardSource(PosteriorReward(posterior=str(folder)), None, tokenizer)
+    retrained = tmp_path / "retrained"  # the same architecture retrained in place (before: silently stale spreads)
+    build_score_model(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir, seed=8), tokenizer).save_pretrained(retrained)
+    tokenizer.save_pretrained(retrained)
+    folder = _copy(posterior_dir, tmp_path / "stale_posterior", str(retrained))
+    with pytest.raises(ValueError, match="another score head than the one the posterior was fit with"):
+        RewardSource(PosteriorReward(posterior=str(folder)), None, tokenizer)
+    RewardSource(PosteriorReward(posterior=str(posterior_dir)), None, tokenizer)  # its own reward model: accepted
+
+
+def test_the_command_line_refuses_a_model_that_is_no_reward_model(tokenizer_dir, tiny_data_dir, tmp_path, capsys):
+    from lit_rlhf.models import build_causal_lm
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    build_causal_lm(ModelSpec(config=gpt2_config(), tokenizer=tokenizer_dir), tokenizer).save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    with pytest.raises(SystemExit) as exit_info:  # before: a posterior of a random head, written with exit 0
+        main(["--reward_model", str(tmp_path / "policy"), "--pairs", str(tiny_data_dir / "prefs.jsonl"),
+              "--out", str(tmp_path / "p")])  # fmt: skip
+    assert exit_info.value.code == 2 and "not a reward model" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
 def test_the_command_line_writes_the_folder_and_refuses_bad_arguments(reward_model_dir, tiny_data_dir, tmp_path, capsys):
     path = main(["--reward_model", str(reward_model_dir), "--pairs", str(tiny_data_dir / "prefs.jsonl"),
                  "--split", "train[:8]", "--max_length", "64", "--max_prompt_length", "16", "--out", str(tmp_path / "p")])  # fmt: skip

@@ -36,6 +36,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import torch
+
 from lit_rlhf.demo.stages import StageRunner, load_config, name_run
 from lit_rlhf.demo.unlabelled import (
     FORCED_SHARE,
@@ -77,6 +79,8 @@ def parse_sources(text: str) -> tuple[str, ...]:
     names = {name.strip() for name in text.split(",") if name.strip()}
     if names == {"all"}:
         return tuple(SOURCES)
+    if "all" in names:
+        raise ValueError(f"`all` is every source and stands alone, got {text!r}")
     unknown = sorted(names - set(SOURCES))
     if unknown or not names:
         raise ValueError(f"unknown reward source(s) {unknown or [text]}; choose from all, {', '.join(SOURCES)}")
@@ -173,8 +177,17 @@ def fit_runs(
 
 
 def posterior_key(out: Path) -> str:
-    """A digest of ``OUT/rm_weak_posterior``'s covariance: a posterior written another way refits its runs on
-    ``--reuse`` (its inputs' keys, SFT's and the weak RM's, would not change)."""
+    """A digest of ``OUT/rm_weak_posterior``'s covariance and scale, rounded to 6 significant digits: a posterior
+    written another way refits its runs on ``--reuse`` (its inputs' keys, SFT's and the weak RM's, would not
+    change), while one fit again with another thread count (which moves the covariance by float rounding, ~1e-12)
+    is the same posterior, as the stages it comes from are (:mod:`lit_rlhf.demo.stages` keys ignore --threads)."""
     import hashlib
 
-    return hashlib.sha256((out / POSTERIOR / "covariance.safetensors").read_bytes()).hexdigest()[:16]
+    from lit_rlhf.posterior import read_posterior
+
+    posterior = read_posterior(out / POSTERIOR)
+    covariance = posterior.covariance.double()  # (H, H)
+    scale = covariance.abs().max().clamp_min(1e-300)
+    quantised = torch.round(covariance / scale * 1e6).to(torch.int64)  # (H, H)
+    text = f"{float(scale):.6g},{posterior.score_std:.6g},{posterior.width_mean:.6g}"
+    return hashlib.sha256(quantised.numpy().tobytes() + text.encode()).hexdigest()[:16]

@@ -155,7 +155,8 @@ def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
-def _score_head(model: nn.Module) -> nn.Module:
+def score_head(model: nn.Module) -> nn.Module:
+    """The ``score`` head of a one-label ``*ForSequenceClassification`` model (plain, peft or FSDP1-wrapped)."""
     # peft keeps the head inside the base model (wrapped for modules_to_save); FSDP1 forwards attribute
     # access to the wrapped module.
     get_base_model = getattr(model, "get_base_model", None)
@@ -196,7 +197,7 @@ def token_values(
     Returns:
         (B, L) float32 values; entries at padding positions are finite but meaningless (mask them).
     """
-    head = _score_head(model)
+    head = score_head(model)
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     try:
@@ -250,7 +251,7 @@ def sequence_scores_and_features(
     Returns:
         (B,) float32 scores and (B, H) float32 features (what ``functional.elliptical_width`` measures).
     """
-    head = _score_head(model)
+    head = score_head(model)
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, inputs, _output: captured.append(inputs[0]))
     try:

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lit_rlhf import functional as F
 from lit_rlhf.data.base import resolve_seed
 from lit_rlhf.engines import ENGINE_STATS, RolloutEngine, build_engine, engine_hparams
-from lit_rlhf.ensembles import RewardEnsemble, coerce_reward_model
+from lit_rlhf.ensembles import coerce_reward_model
 from lit_rlhf.environments import EPISODE_METRICS, EnvironmentSettings, import_environment
 from lit_rlhf.guards import StepGuard
 from lit_rlhf.models import (
@@ -103,8 +103,9 @@ class OnlineRLModule(
         reward_model: reward model spec or exported folder (``name_or_path``), or a reward-model ensemble:
             an exported ensemble folder or ``{ensemble: [...] | folder, aggregation, coef}``
             (``lit_rlhf.ensembles``; each member's score logged as ``rollout/reward/member_<k>``, their
-            spread as ``rollout/ensemble_std``); exclusive with reward_fn (with an ``environment`` both may
-            be None: its rewards are the score).
+            spread as ``rollout/ensemble_std``), or a reward model's last-layer posterior ``{posterior: folder,
+            coef}`` (``lit_rlhf.posterior``); exclusive with reward_fn (with an ``environment`` both may be
+            None: its rewards are the score). Dicts are read by ``lit_rlhf.ensembles.coerce_reward_model``.
         reward_fn: ``package.module:function`` scoring the responses (this project's ``fn(prompts, responses,
             **columns)`` or TRL's ``fn(completions, **kwargs)``, see ``lit_rlhf.reward_fns``), or a list of
             ``{fn, weight, name, kwargs}`` (``lit_rlhf.rewards.RewardTerm``; a plain ``module:function`` has
@@ -152,7 +153,7 @@ class OnlineRLModule(
         *,
         actor: ModelSpec | dict | str,
         reference: ModelSpec | dict | str | None = None,
-        reward_model: ModelSpec | RewardEnsemble | dict | str | None = None,
+        reward_model: ModelSpec | dict | str | None = None,
         reward_fn: str | list[RewardTerm | dict | str] | None = None,
         monitor_reward_fn: str | None = None,
         engine: RolloutEngine | dict | str | None = None,
@@ -215,6 +216,7 @@ class OnlineRLModule(
     def build_shared_models(self, actor, reference, reward_model, reward_fn, monitor_reward_fn) -> None:
         """The tokenizer, actor, reference, reward source and monitor, on the seeded initialisation stream."""
         actor = ModelSpec.coerce(actor, "actor")
+        reward_model = coerce_reward_model(reward_model)  # its settings checked before any model loads
         self.actor_lora = actor.lora is not None
         self.tokenizer_source = actor.tokenizer or actor.name_or_path
         self.tokenizer = load_tokenizer(
@@ -228,7 +230,7 @@ class OnlineRLModule(
                 self.reference = frozen_copy(build_causal_lm(self.shares_tokenizer(reference, "reference"), self.tokenizer))
             else:  # a LoRA actor with disabled adapters is its own reference (no second copy)
                 self.reference = None if actor.lora else frozen_copy(self.actor)
-            self.rewards = RewardSource(coerce_reward_model(reward_model), reward_fn, self.tokenizer)
+            self.rewards = RewardSource(reward_model, reward_fn, self.tokenizer)
             self.monitor = (
                 None
                 if monitor_reward_fn is None
