@@ -8,11 +8,14 @@ spots and agree there, it is large wherever the features leave the span the trai
 
 Fit once, after the reward model::
 
+    python -m lit_rlhf.posterior --config configs/rm.yaml --out runs/rm_posterior
     python -m lit_rlhf.posterior --reward_model runs/rm --pairs data/prefs.jsonl --out runs/rm_posterior
 
-reads the preference pairs the reward model was trained on through a ``PreferenceDataModule`` (any of its formats;
-``--split``, ``--max_length`` and ``--max_prompt_length`` as the reward model's config has them), scores each
-chosen and rejected sequence as it was trained on it, and writes
+reads the preference pairs the reward model was trained on through a ``PreferenceDataModule``: with ``--config``
+(the reward model's ``lit-rlhf fit`` config) its ``data`` as the fit read it, its training split, and its
+``HFExport`` folder as the reward model; else any of its formats, with ``--split``, ``--max_length`` and
+``--max_prompt_length`` as the reward model's config has them and no hold-out. It scores each chosen and rejected
+sequence as the reward model was trained on it, and writes
 ``OUT/posterior.json`` and ``OUT/covariance.safetensors``. An online module then takes
 ``reward_model: {posterior: runs/rm_posterior, coef: 2.0}``; every response's score is
 
@@ -207,24 +210,73 @@ def head_response(model: torch.nn.Module, hidden: int) -> torch.Tensor:
     return head(probe).float().reshape(hidden).cpu()  # (H,)
 
 
+def read_fit_config(path: str) -> tuple[Any, str | None]:
+    """A reward model's ``lit-rlhf fit`` config -> (its ``PreferenceDataModule``, built from the config's ``data`` as
+    the fit built it, and its ``HFExport`` folder or None); ``ValueError`` naming the file and what is wrong."""
+    import importlib
+
+    import yaml
+
+    from lit_rlhf.data import PreferenceDataModule
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {path}: cannot be read ({err})") from err
+    data = config.get("data") if isinstance(config, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("class_path"), str):
+        raise ValueError(f"--config {path}: no `data` with a class_path (the reward model's PreferenceDataModule)")
+    module, _, name = data["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"--config {path}: data.class_path {data['class_path']!r} cannot be imported ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, PreferenceDataModule)):
+        raise ValueError(f"--config {path}: data is {data['class_path']}, not a PreferenceDataModule (a reward model's)")
+    callbacks = ((config.get("trainer") or {}).get("callbacks") or []) if isinstance(config.get("trainer"), dict) else []
+    exports = [c.get("init_args", {}).get("dirpath") for c in callbacks
+               if isinstance(c, dict) and str(c.get("class_path", "")).endswith("HFExport")]  # fmt: skip
+    try:
+        return cls(**(data.get("init_args") or {})), (exports[0] if exports else None)
+    except TypeError as err:
+        raise ValueError(f"--config {path}: data.init_args: {err}") from err
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reward_model", required=True, help="the reward model's exported folder (and tokenizer)")
-    parser.add_argument("--pairs", required=True, help="the preference pairs it was trained on (its train_path)")
-    parser.add_argument("--split", default="train", help="their split, as its config's (e.g. 'train[:2400]')")
-    parser.add_argument("--max_length", type=int, default=512, help="as its config's (PreferenceDataModule)")
-    parser.add_argument("--max_prompt_length", type=int, default=256, help="as its config's")
+    parser.add_argument("--config", help="the reward model's lit-rlhf fit config: its pairs read by its data module as "
+                        "it trained on them (its training split), and its HFExport folder as --reward_model")
+    parser.add_argument("--reward_model", help="the reward model's exported folder (and tokenizer)")
+    parser.add_argument("--pairs", help="without --config: the pairs it was trained on (its train_path)")
+    parser.add_argument("--split", help="without --config: their split, as its config's (default 'train')")
+    parser.add_argument("--max_length", type=int, help="without --config: as its config's (default 512)")
+    parser.add_argument("--max_prompt_length", type=int, help="without --config: as its config's (default 256)")
     parser.add_argument("--out", required=True, help="the folder to write")
     parser.add_argument("--ridge", type=float, default=1e-3, help="the prior precision lambda (> 0)")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.ridge) and args.ridge > 0):
         parser.error(f"--ridge must be a finite number > 0, got {args.ridge}")
+    pair_options = [f"--{k}" for k in ("pairs", "split", "max_length", "max_prompt_length") if getattr(args, k) is not None]
+    if args.config is not None and pair_options:
+        parser.error(f"--config reads the pairs as its data module does: drop {', '.join(pair_options)}")
+    if args.config is None and args.pairs is None:
+        parser.error("give --config (the reward model's fit config) or --pairs with --reward_model")
     from lit_rlhf.data import PreferenceDataModule
 
     try:
-        data = PreferenceDataModule(args.reward_model, args.pairs, val_fraction=0.0, split=args.split,
-                                    max_length=args.max_length, max_prompt_length=args.max_prompt_length)  # fmt: skip
-        path = fit_posterior(args.reward_model, data, args.out, args.ridge)
+        if args.config is not None:
+            data, export = read_fit_config(args.config)
+            reward_model = args.reward_model or export
+            if reward_model is None:
+                parser.error(f"--config {args.config} has no HFExport callback: give --reward_model")
+        else:
+            if args.reward_model is None:
+                parser.error("--pairs needs --reward_model")
+            reward_model = args.reward_model
+            lengths = {"max_length": args.max_length, "max_prompt_length": args.max_prompt_length}
+            data = PreferenceDataModule(reward_model, args.pairs, val_fraction=0.0, split=args.split or "train",
+                                        **{k: v for k, v in lengths.items() if v is not None})  # fmt: skip
+        path = fit_posterior(reward_model, data, args.out, args.ridge)
     except (OSError, ValueError) as err:  # the data module's errors name the file, row and field
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {path}")

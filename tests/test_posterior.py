@@ -225,6 +225,39 @@ def test_a_reward_model_the_posterior_was_not_fit_on_is_refused(posterior_dir, r
     RewardSource(PosteriorReward(posterior=str(posterior_dir)), None, tokenizer)  # its own reward model: accepted
 
 
+def test_the_command_line_reads_the_reward_models_fit_config(reward_model_dir, tiny_data_dir, tmp_path, capsys):
+    import yaml
+
+    data = {"tokenizer": str(reward_model_dir), "train_path": str(tiny_data_dir / "prefs.jsonl"), "split": "train[:20]",
+            "val_fraction": 0.25, "max_length": 64, "max_prompt_length": 16, "batch_size": 8}  # fmt: skip
+    config = {"trainer": {"callbacks": [{"class_path": "lit_rlhf.callbacks.HFExport",
+                                         "init_args": {"dirpath": str(reward_model_dir)}}]},
+              "data": {"class_path": "lit_rlhf.data.PreferenceDataModule", "init_args": data}}  # fmt: skip
+    (tmp_path / "rm.yaml").write_text(yaml.safe_dump(config))
+    path = main(["--config", str(tmp_path / "rm.yaml"), "--out", str(tmp_path / "p")])
+    manifest = json.loads(path.read_text())
+    assert manifest["texts"] == 2 * 15  # its training split: 20 pairs less the 25% hold-out, chosen and rejected
+    assert (path.parent / manifest["reward_model"]).resolve() == reward_model_dir.resolve()  # its HFExport folder
+    bad = {"pairs given too": ["--pairs", "x.jsonl"], "no data": "{trainer: {}}", "not preference data": (
+        "{data: {class_path: lit_rlhf.data.PromptDataModule, init_args: {}}}"), "unknown field": (
+        "{data: {class_path: lit_rlhf.data.PreferenceDataModule, init_args: {nope: 1}}}")}  # fmt: skip
+    messages = {"pairs given too": "--config reads the pairs as its data module does: drop --pairs",
+                "no data": "no `data` with a class_path", "not preference data": "not a PreferenceDataModule",
+                "unknown field": "data.init_args"}  # fmt: skip
+    for name, extra in bad.items():
+        argv = ["--config", str(tmp_path / "rm.yaml"), "--out", str(tmp_path / "q")]
+        if isinstance(extra, str):
+            (tmp_path / "bad.yaml").write_text(extra)
+            argv[1] = str(tmp_path / "bad.yaml")
+        else:
+            argv += extra
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and messages[name] in err, (name, err)
+        assert argv[1] in err or name == "pairs given too", (name, err)
+
+
 def test_the_command_line_refuses_a_model_that_is_no_reward_model(tokenizer_dir, tiny_data_dir, tmp_path, capsys):
     from lit_rlhf.models import build_causal_lm
 
