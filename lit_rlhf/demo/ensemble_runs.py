@@ -21,7 +21,7 @@ Every source learns from the same 2,400 pairs with the weak RM's recipe (``rm_we
   ``ppo_overoptimize_disagreement_ensemble[_seed<s>]``.
 - ``posterior``: not an ensemble of reward models but the weak RM's own last-layer posterior (``rm_weak_posterior``,
   :func:`write_posterior`: its last hidden states on its 2,400 training pairs; :mod:`lit_rlhf.posterior`), scored
-  as the weak RM less two spreads of the posterior (``ppo_overoptimize_posterior.yaml``): the spread of infinitely
+  as the weak RM less one spread of the posterior (``ppo_overoptimize_posterior.yaml``): the spread of infinitely
   many heads on the one backbone, which grows where a response's features leave the training texts' span rather
   than where separately trained members happen to disagree. Runs ``ppo_overoptimize_posterior[_seed<s>]``.
 

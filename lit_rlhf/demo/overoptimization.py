@@ -7,7 +7,7 @@ minus one standard deviation of three weak reward models on one SFT backbone (``
 ``ppo_overoptimize_pretrain_ensemble`` the same aggregate of three weak reward models on SFT backbones
 pre-trained with three seeds (``rm_weak_pretrain_ensemble``), that of ``ppo_overoptimize_disagreement_ensemble``
 the same aggregate of three weak reward models trained to disagree off the pairs (``rm_weak_disagreement_
-ensemble``), that of ``ppo_overoptimize_posterior`` the weak RM's score less two spreads of its last-layer
+ensemble``), that of ``ppo_overoptimize_posterior`` the weak RM's score less one spread of its last-layer
 posterior (``rm_weak_posterior``, :mod:`lit_rlhf.posterior`; see :mod:`lit_rlhf.demo.ensemble_runs`; Coste et
 al. 2024, arXiv:2310.02743; Eisenstein et al. 2023, arXiv:2312.09244). Their final policies are evaluated
 like every other (the "proxy" of that evaluation is the single weak RM for all); the seed-0 training curves
@@ -44,7 +44,7 @@ LABELS = {
     "ppo_overoptimize_ensemble": "ensemble of 3 weak RMs on one SFT backbone (mean - std)",
     "ppo_overoptimize_pretrain_ensemble": "ensemble of 3 weak RMs on SFT backbones of 3 seeds (mean - std)",
     "ppo_overoptimize_disagreement_ensemble": "ensemble of 3 weak RMs trained to disagree off the pairs (mean - std)",
-    "ppo_overoptimize_posterior": "the weak RM less 2 x its last-layer posterior's spread",
+    "ppo_overoptimize_posterior": "the weak RM less 1 x its last-layer posterior's spread",
 }
 _MEMBERS = {
     "overoptimize_ensemble": "rm_weak_ensemble",

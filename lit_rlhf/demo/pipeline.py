@@ -28,7 +28,7 @@ proxy reward model (``rm_weak.yaml``: a tenth of the pairs) optimised with a wea
 SFT backbone (``rm_weak_ensemble.yaml``), one on SFT backbones pre-trained with three seeds, one on the one
 backbone trained to disagree on unlabelled text (``rm_weak_disagreement_ensemble.yaml``), and the same PPO
 run against each one's mean minus one standard deviation (Coste et al. 2024) and against the weak RM less
-two spreads of its last-layer posterior, every source once per seed of ``--seeds``
+one spread of its last-layer posterior, every source once per seed of ``--seeds``
 (:mod:`lit_rlhf.demo.ensemble_runs`), plotted with the single weak model's run. ``--ensemble posterior`` (a
 comma-separated list of :data:`~lit_rlhf.demo.ensemble_runs.SOURCES`) runs those sources only, beside the
 single weak RM on every seed.
