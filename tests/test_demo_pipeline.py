@@ -715,7 +715,7 @@ def test_the_posterior_source_scores_the_weak_rm_less_its_last_layer_spread(smal
     assert manifest["reward_model"] == "../rm_weak" and manifest["split"] == "train[:2400]"
     assert manifest["texts"] == 2 * len(data.train_dataset)
     config = yaml.safe_load((out / "configs" / "ppo_overoptimize_posterior_seed1.yaml").read_text())
-    assert config["model"]["init_args"]["reward_model"] == {"posterior": str(out / "rm_weak_posterior"), "coef": 2.0}
+    assert config["model"]["init_args"]["reward_model"] == {"posterior": str(out / "rm_weak_posterior"), "coef": 1.0}
     scalars = report.read_scalars(out / "tb" / "ppo_overoptimize_posterior")
     assert {"rollout/reward/score", "rollout/reward/uncertainty"} <= set(scalars)
     assert all(v > 0 for _, v in scalars["rollout/reward/uncertainty"])
