@@ -233,7 +233,8 @@ def read_fit_config(path: str) -> tuple[Any, str | None]:
         raise ValueError(f"--config {path}: data.class_path {data['class_path']!r} cannot be imported ({err})") from err
     if not (isinstance(cls, type) and issubclass(cls, PreferenceDataModule)):
         raise ValueError(f"--config {path}: data is {data['class_path']}, not a PreferenceDataModule (a reward model's)")
-    callbacks = ((config.get("trainer") or {}).get("callbacks") or []) if isinstance(config.get("trainer"), dict) else []
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    callbacks = trainer.get("callbacks") or []
     exports = [c.get("init_args", {}).get("dirpath") for c in callbacks
                if isinstance(c, dict) and str(c.get("class_path", "")).endswith("HFExport")]  # fmt: skip
     try:

@@ -131,7 +131,7 @@ def fits_and_texts(fits, monkeypatch) -> list[str]:  # noqa: F811 (test_demo_reu
 def _run(out: Path) -> StageRunner:
     manifest = {"args": {**assets.SMALL, "seed": 0}, "max_response_tokens": 1}
     runner = StageRunner(out, reuse=True)
-    pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=True)
+    pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=tuple(ensemble_runs.SOURCES))
     return runner
 
 

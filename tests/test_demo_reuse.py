@@ -268,7 +268,7 @@ def test_ensemble_sft_backbones_rerun_when_the_assets_change(tmp_path, fits):
         """The pipeline's stages (no algorithm) with assets of ``seed``; returns the runs reused."""
         manifest = {"args": {**assets.SMALL, "seed": seed}, "max_response_tokens": 1}
         runner = StageRunner(out, reuse=True)
-        pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=True)
+        pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=tuple(ensemble_runs.SOURCES))
         return {name for name, record in runner.records.items() if record.reused}
 
     assert run(0) == set()
@@ -290,7 +290,7 @@ def test_posterior_runs_refit_when_the_posterior_changes(tmp_path, fits, monkeyp
     def refitted() -> set[str]:
         manifest = {"args": {**assets.SMALL, "seed": 0}, "max_response_tokens": 1}
         runner = StageRunner(out, reuse=True)
-        pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=True)
+        pipeline.run_stages(runner, out, True, [], [0], True, manifest, ensemble=tuple(ensemble_runs.SOURCES))
         return {name for name, record in runner.records.items() if not record.reused}
 
     assert "ppo_overoptimize_posterior" in refitted()

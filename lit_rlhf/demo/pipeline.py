@@ -127,11 +127,11 @@ def build_or_reuse_assets(folder: Path, small: bool, seed: int) -> dict:
 
 def run_stages(
     runner: StageRunner, out: Path, small: bool, algorithms: list[str], seeds: list[int], overoptimize: bool,
-    manifest: dict, ensemble: Sequence[str] | bool = (), sweep_coefs: Sequence[float] = (),
+    manifest: dict, ensemble: Sequence[str] = (), sweep_coefs: Sequence[float] = (),
 ) -> dict[str, list[StageRecord]]:  # fmt: skip
     """Every fit of the demo; returns the runs of each algorithm (one per seed, in seed order). ``ensemble``:
-    the reward sources of ``--ensemble`` (``True``: every one)."""
-    sources = tuple(ensemble_runs.SOURCES) if ensemble is True else tuple(ensemble or ())
+    the reward sources of ``--ensemble`` (:func:`parse_ensemble`; none: no ensemble runs)."""
+    sources = tuple(ensemble)
     salt = json.dumps(manifest["args"], sort_keys=True)
     runner.fit("sft", load_config("sft", out, small), salt=salt)
     runner.fit("rm", load_config("rm", out, small), ("sft",))
@@ -207,7 +207,7 @@ def run(
     *,
     small: bool = False,
     overoptimize: bool = True,
-    ensemble: Sequence[str] | bool = (),
+    ensemble: Sequence[str] = (),
     kl_sweep_coefs: Sequence[float] = (),
     seed: int = 0,
     algorithms: Sequence[str] = DEFAULT_ALGORITHMS,
