@@ -216,6 +216,34 @@ def test_records_keep_threads_and_cpu_and_the_report_flags_a_mixture(tmp_path, f
     assert report.stage_machine({"rm": rm}, current)["note"] is None  # all as this run: nothing to flag
     old = StageRecord("x", "k", {}, "", 0.0)  # a record from before threads were kept
     assert "unknown: x" in report.stage_machine({"x": old}, current)["note"]
+    assert _book(out)["rm"]["float_path"] == "" and rm.float_path == ""  # no variable forces a code path here
+
+
+def test_a_forced_math_code_path_is_recorded_and_a_mixture_flagged(monkeypatch):
+    from lit_rlhf.demo.machine import FLOAT_PATH_VARIABLES
+
+    for name in FLOAT_PATH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = report.machine()
+    assert plain["float_path"] == "" and "forced" not in report.machine_line(plain)[0]
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("MKL_CBWR", "")  # set but empty: not forced
+    forced = report.machine()
+    assert forced["float_path"] == "MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert ", code path forced by MKL_ENABLE_INSTRUCTIONS=AVX2, with " in report.machine_line(forced)[0]
+
+    def record(run: str, path: str | None) -> StageRecord:
+        return StageRecord(run, "k", {}, "", 0.0, threads=forced["threads"], cpu=forced["cpu"], float_path=path)
+
+    same = report.stage_machine({"sft": record("sft", "MKL_ENABLE_INSTRUCTIONS=AVX2")}, forced)
+    assert same["note"] is None and same["float_path_per_stage"] == {"sft": "MKL_ENABLE_INSTRUCTIONS=AVX2"}
+    mixed = report.stage_machine({"sft": record("sft", ""), "rm": record("rm", "MKL_ENABLE_INSTRUCTIONS=AVX2")}, forced)
+    assert mixed["note"] == (
+        "stages ran on different forced code paths (this run: MKL_ENABLE_INSTRUCTIONS=AVX2):"
+        " none forced: sft; MKL_ENABLE_INSTRUCTIONS=AVX2: rm"
+    )
+    # a record from before the path was kept ran on the libraries' own paths (none was forced before)
+    assert report.stage_machine({"sft": record("sft", None)}, plain)["note"] is None
 
 
 # 6. the key does not depend on how --out is spelt

@@ -1,14 +1,19 @@
-"""The machine a demo's figures were measured on: the CPU model and vector units, torch's threads, the
-versions, and the threads and CPU of each stage (a ``--reuse`` may mix fits of other settings)."""
+"""The machine a demo's figures were measured on: the CPU model and vector units, the math libraries' code
+paths where an environment variable forces one, torch's threads, the versions, and the threads, CPU and forced
+code path of each stage (a ``--reuse`` may mix fits of other settings)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CPU_FEATURES", "cpu_features_text", "cpu_model", "machine", "machine_line", "stage_machine"]
+__all__ = [
+    "CPU_FEATURES", "FLOAT_PATH_VARIABLES", "cpu_features_text", "cpu_model", "float_path", "machine", "machine_line",
+    "stage_machine",
+]  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -34,6 +39,19 @@ def cpu_features_text(present: list[str]) -> str:
     return "; ".join(parts + ([f"no {', '.join(absent)}"] if absent else []))
 
 
+# The environment variables that pick the math libraries' code paths. Each path sums float32 products in its own
+# order, so forcing another one moves the demo's figures as another CPU kind does: on an AVX-512 Xeon,
+# MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's matrix products) gave another SFT policy, RM and every figure after them.
+# MKL reads its variables once, when it first runs: set them before the process starts.
+FLOAT_PATH_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def float_path() -> str:
+    """The code paths forced by ``FLOAT_PATH_VARIABLES`` in this process's environment, e.g.
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2``; ``""`` where none is (each library picks its path for the CPU)."""
+    return ", ".join(f"{name}={os.environ[name]}" for name in FLOAT_PATH_VARIABLES if os.environ.get(name))
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
     hence the demo's figures, moves with each of them)."""
@@ -46,7 +64,7 @@ def machine() -> dict[str, Any]:
         features = [f for f in CPU_FEATURES if f in flags]
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu_model(), "cpu_features": features, "threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "cpu_features": features, "float_path": float_path(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
 
 
@@ -59,24 +77,35 @@ def _groups(values: dict[str, Any]) -> str:
 
 
 def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
-    """The torch threads and CPU each fit of ``runs`` (run -> :class:`~lit_rlhf.demo.stages.StageRecord`)
-    ran with, reused ones included (``threads_per_stage``, ``cpu_per_stage``; None where a record predates
-    them), and ``note``: a sentence when they are not all ``current``'s (:func:`machine`), else None."""
+    """The torch threads, CPU and forced code path each fit of ``runs`` (run ->
+    :class:`~lit_rlhf.demo.stages.StageRecord`) ran with, reused ones included (``threads_per_stage``,
+    ``cpu_per_stage``, ``float_path_per_stage``; None where a record predates them), and ``note``: a sentence
+    when they are not all ``current``'s (:func:`machine`), else None. A record that predates the forced code
+    path is taken to have run on the libraries' own paths: none was forced in this project before it was kept."""
     threads = {name: run.threads for name, run in runs.items()}
     cpus = {name: run.cpu for name, run in runs.items()}
+    paths = {name: getattr(run, "float_path", None) for name, run in runs.items()}
     notes = []
     if set(threads.values()) != {current["threads"]}:
         notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
     if set(cpus.values()) != {current["cpu"]}:
         notes.append(f"stages ran on different CPUs (this run: {current['cpu']}): {_groups(cpus)}")
-    return {"threads_per_stage": threads, "cpu_per_stage": cpus, "note": "; ".join(notes) or None}
+    if {path or "" for path in paths.values()} != {current.get("float_path", "")}:
+        shown = {name: path or "none forced" for name, path in paths.items()}
+        notes.append(
+            f"stages ran on different forced code paths (this run: {current.get('float_path') or 'none forced'}):"
+            f" {_groups(shown)}"
+        )
+    return {"threads_per_stage": threads, "cpu_per_stage": cpus, "float_path_per_stage": paths,
+            "note": "; ".join(notes) or None}  # fmt: skip
 
 
 def machine_line(machine_: dict[str, Any]) -> list[str]:
     """The report's line on the machine (and, when the fits ran with other threads or CPUs, the note)."""
     lines = [
         f"- Measured on {machine_['cpu']} ({cpu_features_text(machine_.get('cpu_features', []))})"
-        f" with {machine_['threads']} torch threads"
+        + (f", code path forced by {machine_['float_path']}," if machine_.get("float_path") else "")
+        + f" with {machine_['threads']} torch threads"
         f" (torch {machine_['torch']}, transformers {machine_['transformers']})."
     ]
     if machine_.get("note"):

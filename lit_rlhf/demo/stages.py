@@ -10,7 +10,8 @@ whose key is recorded and whose export folder is there (it trusts that the code 
 a key recorded before the placeholder (``OUT`` hashed as spelt) is still recognised. A stage that is run
 (again) first loses its record and its logs, gold curve and memory figures, so a fit that does not finish
 leaves nothing a later ``--reuse`` could mistake for its outputs. Each record also keeps the torch thread
-count and the CPU model the stage ran with (a reused stage may come from another ``--threads``).
+count, the CPU model and the forced math code path (``machine.float_path``) the stage ran with (a reused stage
+may come from another ``--threads``, CPU or path).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from lit_rlhf.demo.machine import cpu_model
+from lit_rlhf.demo.machine import cpu_model, float_path
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
 DEFAULT_ROOT = "runs/demo/"  # the prefix of every path in configs/demo/*.yaml
@@ -174,7 +175,8 @@ def without_out(node: Any, out: Path) -> Any:
 class StageRecord:
     """What the report needs of a finished stage (also what ``stages.json`` keeps for ``--reuse``).
 
-    ``threads`` and ``cpu`` are the torch thread count and the CPU model the stage ran with (None in records
+    ``threads``, ``cpu`` and ``float_path`` are the torch thread count, the CPU model and the forced math code
+    path (:func:`~lit_rlhf.demo.machine.float_path`, ``""`` for none) the stage ran with (None in records
     written before they were kept)."""
 
     run: str
@@ -186,6 +188,7 @@ class StageRecord:
     reused: bool = False
     threads: int | None = None
     cpu: str | None = None
+    float_path: str | None = None
 
 
 class StageRunner:
@@ -252,7 +255,8 @@ class StageRunner:
             print(f"\n=== {run}: lit-rlhf fit --config {path}", flush=True)
             peak_rss_mb = fit_in_child(path) if subprocess_ else fit_here(path)
             wall_s = time.perf_counter() - start
-            record = StageRecord(run, key, config, log_dir, wall_s, peak_rss_mb, threads=threads, cpu=cpu_model())
+            record = StageRecord(run, key, config, log_dir, wall_s, peak_rss_mb, threads=threads, cpu=cpu_model(),
+                                 float_path=float_path())  # fmt: skip
         self.records[run], self.legacy_keys[run] = record, legacy
         self.recorded[run] = {k: v for k, v in record.__dict__.items() if k != "reused"}
         self._write_book()
