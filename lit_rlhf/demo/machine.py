@@ -80,8 +80,8 @@ def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
     """The torch threads, CPU and forced code path each fit of ``runs`` (run ->
     :class:`~lit_rlhf.demo.stages.StageRecord`) ran with, reused ones included (``threads_per_stage``,
     ``cpu_per_stage``, ``float_path_per_stage``; None where a record predates them), and ``note``: a sentence
-    when they are not all ``current``'s (:func:`machine`), else None. A record that predates the forced code
-    path is taken to have run on the libraries' own paths: none was forced in this project before it was kept."""
+    when they are not all ``current``'s (:func:`machine`), else None. A forced code path reads ``none forced``
+    where the record has ``""`` and ``unknown`` where it predates the field."""
     threads = {name: run.threads for name, run in runs.items()}
     cpus = {name: run.cpu for name, run in runs.items()}
     paths = {name: getattr(run, "float_path", None) for name, run in runs.items()}
@@ -90,8 +90,8 @@ def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
     if set(cpus.values()) != {current["cpu"]}:
         notes.append(f"stages ran on different CPUs (this run: {current['cpu']}): {_groups(cpus)}")
-    if {path or "" for path in paths.values()} != {current.get("float_path", "")}:
-        shown = {name: path or "none forced" for name, path in paths.items()}
+    if set(paths.values()) != {current.get("float_path", "")}:
+        shown = {name: "none forced" if path == "" else path for name, path in paths.items()}
         notes.append(
             f"stages ran on different forced code paths (this run: {current.get('float_path') or 'none forced'}):"
             f" {_groups(shown)}"
