@@ -53,8 +53,8 @@ def float_path() -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on: the CPU model, torch's CPU threads and the versions (float rounding,
-    hence the demo's figures, moves with each of them)."""
+    """What the figures were measured on: the CPU model, a forced math code path (:func:`float_path`), torch's
+    CPU threads and the versions (float rounding, hence the demo's figures, moves with each of them)."""
     import transformers
 
     features = []
@@ -84,7 +84,7 @@ def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
     where the record has ``""`` and ``unknown`` where it predates the field."""
     threads = {name: run.threads for name, run in runs.items()}
     cpus = {name: run.cpu for name, run in runs.items()}
-    paths = {name: getattr(run, "float_path", None) for name, run in runs.items()}
+    paths = {name: run.float_path for name, run in runs.items()}
     notes = []
     if set(threads.values()) != {current["threads"]}:
         notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
@@ -101,7 +101,7 @@ def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine_line(machine_: dict[str, Any]) -> list[str]:
-    """The report's line on the machine (and, when the fits ran with other threads or CPUs, the note)."""
+    """The report's line on the machine (and, when the fits ran with other threads, CPUs or code paths, the note)."""
     lines = [
         f"- Measured on {machine_['cpu']} ({cpu_features_text(machine_.get('cpu_features', []))})"
         + (f", code path forced by {machine_['float_path']}," if machine_.get("float_path") else "")
