@@ -76,28 +76,29 @@ def _groups(values: dict[str, Any]) -> str:
     return "; ".join(f"{value}: {', '.join(names)}" for value, names in groups.items())
 
 
+# What each stage record keeps of its machine, and how the note names a mixture of it.
+_STAGE_FIELDS = (("threads", "with different thread counts"), ("cpu", "on different CPUs"),
+                 ("float_path", "on different forced code paths"))  # fmt: skip
+
+
+def _shown(field: str, value: Any) -> Any:
+    return "none forced" if field == "float_path" and value == "" else value
+
+
 def stage_machine(runs: dict, current: dict[str, Any]) -> dict[str, Any]:
     """The torch threads, CPU and forced code path each fit of ``runs`` (run ->
     :class:`~lit_rlhf.demo.stages.StageRecord`) ran with, reused ones included (``threads_per_stage``,
     ``cpu_per_stage``, ``float_path_per_stage``; None where a record predates them), and ``note``: a sentence
     when they are not all ``current``'s (:func:`machine`), else None. A forced code path reads ``none forced``
     where the record has ``""`` and ``unknown`` where it predates the field."""
-    threads = {name: run.threads for name, run in runs.items()}
-    cpus = {name: run.cpu for name, run in runs.items()}
-    paths = {name: run.float_path for name, run in runs.items()}
+    per_stage = {field: {name: getattr(run, field) for name, run in runs.items()} for field, _ in _STAGE_FIELDS}
     notes = []
-    if set(threads.values()) != {current["threads"]}:
-        notes.append(f"stages ran with different thread counts (this run: {current['threads']}): {_groups(threads)}")
-    if set(cpus.values()) != {current["cpu"]}:
-        notes.append(f"stages ran on different CPUs (this run: {current['cpu']}): {_groups(cpus)}")
-    if set(paths.values()) != {current.get("float_path", "")}:
-        shown = {name: "none forced" if path == "" else path for name, path in paths.items()}
-        notes.append(
-            f"stages ran on different forced code paths (this run: {current.get('float_path') or 'none forced'}):"
-            f" {_groups(shown)}"
-        )
-    return {"threads_per_stage": threads, "cpu_per_stage": cpus, "float_path_per_stage": paths,
-            "note": "; ".join(notes) or None}  # fmt: skip
+    for field, what in _STAGE_FIELDS:
+        now = current.get(field, "")  # "": a machine dict from before float_path was kept
+        if set(per_stage[field].values()) != {now}:
+            shown = {name: _shown(field, value) for name, value in per_stage[field].items()}
+            notes.append(f"stages ran {what} (this run: {_shown(field, now)}): {_groups(shown)}")
+    return {f"{field}_per_stage": values for field, values in per_stage.items()} | {"note": "; ".join(notes) or None}
 
 
 def machine_line(machine_: dict[str, Any]) -> list[str]:
